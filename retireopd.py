@@ -141,7 +141,8 @@ class Config:
     # --- evaluation & outputs --------------------------------------------------------------------
     eval_every: int = 5  # validation every N iterations (0: only at phase ends)
     eval_temperature: float = 0.4  # sampling temperature of the fixed-panel evaluations
-    eval_episodes: Optional[int] = None  # cap the fixed panel (first N); None = the whole panel
+    eval_episodes: Optional[int] = None  # cap the fixed panel (ALFWorld: round-robin over task types;
+    #   WebShop: the first N goals); None = the whole panel
     save_every: int = 10  # resumable checkpoint every N iterations (also at phase ends, retirement)
     keep_checkpoints: int = 2  # how many resumable checkpoints to keep
     frozen_dtype: str = "float32"  # teacher/reference weights: float32 (the student's numerics, so
@@ -623,8 +624,13 @@ class AlfWorldEnv:
 
 def alfworld_eval_panel(data_root=None, splits=("valid_seen", "valid_unseen"), max_episodes=None):
     """The fixed evaluation panel: the games of `splits`, sorted by path (so valid_seen before
-    valid_unseen), the first `max_episodes` of them when capped. A missing split is skipped with
-    a warning if another split has games; if none has, AlfWorldDataError."""
+    valid_unseen). A missing split is skipped with a warning if another split has games; if none
+    has, AlfWorldDataError.
+
+    Capped (`max_episodes`), it takes the games round-robin over the task types (each type's
+    games in sorted order), so that a small panel still covers every type; the first N in
+    sorted order would all be `look_at_obj_in_light`. The chosen games are returned sorted.
+    """
     games, problems = [], []
     for split in splits:
         try:
@@ -636,7 +642,16 @@ def alfworld_eval_panel(data_root=None, splits=("valid_seen", "valid_unseen"), m
     for problem in problems:
         warnings.warn(f"skipping an ALFWorld evaluation split: {problem}")
     games = sorted(games)
-    return games if max_episodes is None else games[:max_episodes]
+    if max_episodes is None or max_episodes >= len(games):
+        return games
+    by_type = defaultdict(list)
+    for game in games:
+        by_type[alfworld_task_type(game)].append(game)
+    queues = [by_type[t] for t in sorted(by_type)]
+    chosen = []
+    for rank in range(max(len(q) for q in queues)):
+        chosen += [q[rank] for q in queues if rank < len(q)]
+    return sorted(chosen[:max_episodes])
 
 
 def success_by_task_type(records):

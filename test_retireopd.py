@@ -17,6 +17,7 @@ import random
 import shutil
 import sys
 import weakref
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -717,6 +718,22 @@ def test_eval_panel(fixture_root, tmp_path):
 
 
 @needs_alfworld
+def test_capped_eval_panel_covers_every_task_type(fixture_root, tmp_path):
+    root = tmp_path / "data"
+    shutil.copytree(fixture_root, root)
+    seen = root / "json_2.1.1" / "valid_seen"
+    # a second pick_and_place_simple game that sorts before the other types' games
+    shutil.copytree(seen / "pick_and_place_simple-Book-None-Desk-906", seen / "pick_and_place_simple-Book-None-Desk-916")
+    full = alfworld_eval_panel(root, splits=("valid_seen",))
+    assert [alfworld_task_type(g) for g in full] == ["pick_and_place_simple"] * 2 + [
+        "pick_clean_then_place_in_recep", "pick_cool_then_place_in_recep"]
+    capped = alfworld_eval_panel(root, splits=("valid_seen",), max_episodes=3)
+    assert capped == [full[0], full[2], full[3]]        # one per type, not the first three
+    assert alfworld_eval_panel(root, splits=("valid_seen",), max_episodes=4) == full
+    assert alfworld_eval_panel(root, splits=("valid_seen",), max_episodes=1) == [full[0]]
+
+
+@needs_alfworld
 def test_reset_gives_task_and_admissible(fixture_root):
     for game in discover_alfworld_games(fixture_root, "train"):
         traj = _load(Path(game).parent / "traj_data.json")
@@ -906,6 +923,9 @@ def test_real_games_discovery():
     assert found == sorted(str(REAL_ROOT / g["gamefile"]) for g in REAL_GAMES)
     with pytest.warns(UserWarning):
         assert alfworld_eval_panel(REAL_ROOT) == found
+    with pytest.warns(UserWarning):
+        capped = alfworld_eval_panel(REAL_ROOT, max_episodes=12)
+    assert sorted(Counter(alfworld_task_type(g) for g in capped).values()) == [2] * 6
 
 
 @needs_real
