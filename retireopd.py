@@ -2019,7 +2019,7 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
     device = pick_device(cfg.device)
     model, tokenizer = load_policy(cfg.model, device, torch.float32, cfg.seed)
     if cfg.gradient_checkpointing and device.type == "cuda":
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     rng = random.Random(cfg.seed)
     words = ["go to cabinet", "open drawer", "take mug", "click[b0fsh00001]", "search[red shoes]"]
     prompts = [encode_prompt(tokenizer, build_user_message(
@@ -2177,7 +2177,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         resuming = state is not None and state["phase"] == phase
         model, tok = load_policy(str(checkpoint) if resuming else cfg.model, device, torch.float32, cfg.seed)
         if cfg.gradient_checkpointing and device.type == "cuda":
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         return model, tok, (state if resuming else None)
 
     frozen: dict = {"teacher": None, "reference": None}

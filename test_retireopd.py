@@ -441,6 +441,62 @@ def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
     assert grad_micro == pytest.approx(grad_one, rel=1e-4)  # the accumulated gradient, not only the loss
 
 
+def test_gpu_numerics_path_on_cpu_bf16_autocast_and_gradient_checkpointing(tiny, monkeypatch):
+    """What a GPU run does, checked here with CPU bf16 autocast standing in for CUDA's: the
+    checkpointed update gives the plain update's gradient on every parameter (a checkpoint that
+    silently cut the graph would leave layers without gradient), recomputation really happens,
+    log-probs stay fp32, and a frozen fp32 copy scoring the same prompt gives D = 0 exactly."""
+    model, tok = tiny
+    monkeypatch.setattr(R, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+    cfg = small_cfg(env="alfworld")
+    torch.manual_seed(5)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
+                              teacher_skills=False, temperature=1.0)
+    prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    frozen = copy.deepcopy(model).requires_grad_(False).eval()
+    old = R.score_samples(model, samples, cfg)
+    assert all(logp.dtype == torch.float32 for logp in old)
+    frozen_logp = torch.cat(R.score_samples(frozen, samples, cfg))
+    _, discrepancy = R.teacher_student_kl(torch.cat(old), frozen_logp, torch.ones_like(frozen_logp))
+    assert float(discrepancy) == 0.0
+
+    def gradients(checkpointing):
+        copied = copy.deepcopy(model)
+        if checkpointing:
+            copied.activation_checkpointing_enable()  # what main() does on a GPU
+        copied.train()
+        calls = []
+        # a pre-hook on a module inside the layer: the checkpoint wraps the layer's forward, not its
+        # hooks, and the recomputation stops as soon as it has what the backward needs
+        copied.model.layers[0].mlp.register_forward_pre_hook(lambda *args: calls.append(1))
+        logp, entropy = R.response_logprobs(copied, prompts, responses, cfg, with_entropy=True)
+        assert logp.dtype == torch.float32
+        (logp.sum() + 0.1 * entropy.sum()).backward()
+        return {name: p.grad for name, p in copied.named_parameters()}, len(calls)
+
+    plain, plain_calls = gradients(False)
+    checkpointed, checkpointed_calls = gradients(True)
+    assert (plain_calls, checkpointed_calls) == (1, 2)  # layer 0 recomputed in the backward pass
+    assert set(plain) == set(checkpointed)
+    for name, grad in checkpointed.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        assert torch.allclose(grad, plain[name], rtol=1e-3, atol=1e-6), name
+
+    def update(checkpointing):  # the real update path: ppo_update puts the model in training mode
+        copied = copy.deepcopy(model).eval()
+        if checkpointing:
+            copied.activation_checkpointing_enable()
+        calls = []
+        copied.model.layers[0].mlp.register_forward_pre_hook(lambda *args: calls.append(1))
+        out = R.ppo_update(copied, torch.optim.SGD(copied.parameters(), lr=0.0), samples, old,
+                           [torch.randn(len(r), generator=torch.Generator().manual_seed(k)) for k, r in enumerate(responses)],
+                           R.dataclasses.replace(cfg, mini_batch=len(samples), grad_clip=1e9), rng=random.Random(0))
+        return out["loss"], out["grad_norm"], len(calls)
+
+    (loss_plain, norm_plain, calls_plain), (loss_ckpt, norm_ckpt, calls_ckpt) = update(False), update(True)
+    assert calls_ckpt == 2 * calls_plain > 0
+    assert loss_ckpt == pytest.approx(loss_plain, abs=1e-6) and norm_ckpt == pytest.approx(norm_plain, rel=1e-3)
+
 def test_make_micro_batches_respects_budget_and_sorts():
     lengths = [5, 50, 7, 48, 6, 200]
     batches = R.make_micro_batches(lengths, token_budget=100)
