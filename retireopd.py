@@ -46,7 +46,8 @@ has the full list with reasons):
       penalty) whatever the checkpoint's own generation config says.
     - precision: fp32 master weights with bf16 autocast on GPU (an AdamW step of lr 1e-6 is
       lost in bf16 weights); the frozen teacher and reference run the same numerics (fp32
-      weights by default, --frozen-dtype bfloat16 to halve them); log-probs from fp32 logits.
+      weights by default, --frozen-dtype bfloat16 to halve them); sampling and log-probs both
+      from fp32 logits.
     - ALFWorld engines run in-process with TextWorld's parsing memoised (same text, ~10x faster
       resets); WebShop is our re-implementation (webshop_env.py), equal to the original on its
       golden rewards, searches and episodes.
@@ -1063,10 +1064,15 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn
     chunk is checkpointed so its logits are recomputed in backward instead of kept. For logits
     you already have, pass lm_head=torch.nn.Identity() and the logits as `hidden`.
     """
+    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+
     def one_chunk(h, y):
         with torch.autocast(h.device.type, enabled=False):  # fp32 logits even under bf16 autocast
-            weight = next(lm_head.parameters(), h)
-            logits = lm_head(h.to(weight.dtype)).float()
+            if weight is not None and weight.dtype != torch.float32:  # a bf16 frozen model: its
+                logits = torch.nn.functional.linear(h.float(), weight.float(),  # weights, fp32 sums
+                                                    None if bias is None else bias.float())
+            else:
+                logits = lm_head(h.float()).float()
         log_norm = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - log_norm
         if not with_entropy:
@@ -1299,12 +1305,31 @@ def episode_prompts(tokenizer, episode: Episode, cfg: Config, skills: str) -> tu
     return student, teacher, truncated
 
 
+@contextlib.contextmanager
+def fp32_output_head(model):
+    """Run the output head outside autocast: under bf16 autocast Hugging Face's generate would
+    sample from bf16-rounded logits, while the log-probs we train on come from fp32 logits
+    (token_logprobs). Only the last position goes through the head, so this costs nothing."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return type(head).forward(head, hidden.to(head.weight.dtype)).float()
+
+    head.forward = forward  # an instance attribute shadows the class's forward until deleted
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float):
     """Sample one response per prompt in one batched call. Returns [(token ids, hit_cap)].
 
     The sampling settings are passed in full (temperature, top_k=0, top_p=1, no repetition
-    penalty): the log-probs we train on are those of the full distribution pi(.|s).
+    penalty) and the logits are fp32: the log-probs we train on are those of the distribution
+    pi(.|s) we sampled from.
     """
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
@@ -1316,7 +1341,7 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
         top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    with autocast(device):
+    with autocast(device), fp32_output_head(model):
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                              generation_config=sampling)
     responses = []
@@ -1641,17 +1666,19 @@ def evaluate(model, tokenizer, suite: TaskSuite, cfg: Config, skills: bool, desc
             "temperature": cfg.eval_temperature}
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """The torch RNG streams a resumed run must continue: CPU, and the training GPU's only (a
+    run may resume where a different set of GPUs is visible)."""
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run, *,
@@ -1672,9 +1699,9 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     successes, first = [], 0
     torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase))  # sampling: a fixed stream per phase
     if resume is not None:
-        optimizer.load_state_dict(resume["optimizer"])
+        optimizer.load_state_dict(resume.pop("optimizer"))  # pop: no second copy of the moments
         rng.setstate(resume["python_rng"])
-        set_rng_state(resume["rng"])
+        set_rng_state(resume["rng"], device)
         successes, first = list(resume["successes"]), resume["iteration"] + 1
     bar = tqdm(range(first, cfg.iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True,
                initial=first, total=cfg.iterations)
@@ -1760,7 +1787,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         if last or retired_now or (cfg.save_every and (iteration + 1) % cfg.save_every == 0):
             run.checkpoint(policy, tokenizer, {
                 "phase": phase, "iteration": iteration, "optimizer": optimizer.state_dict(),
-                "python_rng": rng.getstate(), "rng": rng_state(), "successes": successes,
+                "python_rng": rng.getstate(), "rng": rng_state(device), "successes": successes,
                 "retirement": dataclasses.asdict(retirement) if retirement else None})
         postfix = {"success": f"{roll['success']:.2f}"}
         if "discrepancy" in record:

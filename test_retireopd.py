@@ -86,6 +86,20 @@ def test_token_logprobs_chunked_equals_naive_values_and_gradients():
 # ==================================================================================================
 
 
+
+def test_token_logprobs_of_a_bf16_head_are_fp32_sums_of_its_weights():
+    # --frozen-dtype bfloat16: the head's weights are bf16, the logits must still be fp32
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 300, bias=False).to(torch.bfloat16)
+    hidden, tokens = torch.randn(9, 32).to(torch.bfloat16), torch.randint(0, 300, (9,))
+    logp, entropy = R.token_logprobs(hidden, tokens, head, chunk=4, with_entropy=True)
+    exact = torch.log_softmax(hidden.float() @ head.weight.float().T, -1)
+    assert logp.dtype == torch.float32
+    assert torch.allclose(logp, exact[torch.arange(9), tokens], atol=1e-5)
+    assert torch.allclose(entropy, -(exact.exp() * exact).sum(-1), atol=1e-4)
+    rounded = torch.log_softmax(head(hidden).float(), -1)[torch.arange(9), tokens]  # bf16 logits
+    assert not torch.allclose(logp, rounded, atol=1e-5)
+
 def test_k3_hand_computed_masked_and_zero_for_identical():
     # d = l^S - l^T = [0, ln 2, -ln 2, 5]; k3 = e^-d - 1 + d
     #   = [0, 0.5 - 1 + 0.693147, 2 - 1 - 0.693147, (masked out)] = [0, 0.193147, 0.306853]
@@ -1202,8 +1216,11 @@ def test_generate_left_pads_keeps_eos_and_flags_cut(tiny, monkeypatch):
                                                                   ([13, 14, 15, 16], True)]
 
 
-def test_old_logprobs_match_sampling_logits_for_mixed_prompt_lengths(tiny, monkeypatch):
+@pytest.mark.parametrize("numerics", ["fp32", "bf16-autocast"])
+def test_old_logprobs_match_sampling_logits_for_mixed_prompt_lengths(tiny, monkeypatch, numerics):
     model, tok = tiny
+    if numerics == "bf16-autocast":  # the GPU path, with CPU autocast standing in for CUDA's
+        monkeypatch.setattr(R, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
     prompts = [R.encode_prompt(tok, "short"), R.encode_prompt(tok, "a much longer prompt " * 5)]
     captured, original = {}, model.generate
 
@@ -1213,10 +1230,19 @@ def test_old_logprobs_match_sampling_logits_for_mixed_prompt_lengths(tiny, monke
         return out.sequences
 
     monkeypatch.setattr(model, "generate", spy)
+    head_dtypes = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: head_dtypes.append(o.dtype))
     torch.manual_seed(0)
-    for b, (ids, _) in enumerate(R.generate(model, tok, prompts, 5, 1.0)):
+    try:
+        responses = R.generate(model, tok, prompts, 5, 1.0)
+    finally:
+        hook.remove()
+    assert set(head_dtypes) == {torch.float32}  # sampled from fp32 logits, as they are scored
+    # bf16 autocast: the cached decode and the full scoring forward round differently in the body
+    atol = 1e-4 if numerics == "fp32" else 5e-3
+    for b, (ids, _) in enumerate(responses):
         expected = torch.stack([torch.log_softmax(step[b], -1)[t] for step, t in zip(captured["logits"], ids)])
-        assert torch.allclose(R.response_logprobs(model, [prompts[b]], [ids], small_cfg()), expected, atol=1e-4)
+        assert torch.allclose(R.response_logprobs(model, [prompts[b]], [ids], small_cfg()), expected, atol=atol)
 
 
 def test_generate_uses_the_given_temperature(tiny):
