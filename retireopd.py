@@ -26,7 +26,7 @@ and the student succeeds at least rho * S_T of the time. When both hold the teac
 Commands
     python retireopd.py --model tiny                        # offline CPU demo, every code path, minutes
     python retireopd.py --model tiny --env alfworld         # same, on fixture ALFWorld games we write
-    python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld   # one GPU, the paper
+    python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
     python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
     python retireopd.py --model random:Qwen2.5-1.5B --iterations 1   # real shapes, random weights
     python retireopd.py --algo grpo | skill-grpo | opd | grpo+opd | retireopd --retire-at 40
@@ -48,9 +48,9 @@ has the full list with reasons):
       lost in bf16 weights); the frozen teacher and reference run the same numerics (fp32
       weights by default, --frozen-dtype bfloat16 to halve them); sampling and log-probs both
       from fp32 logits.
-    - ALFWorld engines run in-process with TextWorld's parsing memoised (same text, ~10x faster
-      resets); WebShop is our re-implementation (webshop_env.py), equal to the original on its
-      golden rewards, searches and episodes.
+    - ALFWorld engines run in-process (or in --env-workers processes) with TextWorld's parsing
+      memoised (same text, ~10x faster resets); WebShop is our re-implementation
+      (webshop_env.py), equal to the original on its golden rewards, searches and episodes.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ import copy
 import dataclasses
 import gc
 import json
+import itertools
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -116,6 +118,7 @@ class Config:
     group_size: int = 8  # G: rollouts per task; a GRPO group
     max_turns: Optional[int] = None  # None -> 50 (ALFWorld) / 15 (WebShop)
     history: int = 2  # H: past (observation, action) pairs shown in the prompt
+    env_workers: int = 0  # ALFWorld: processes that step the games in parallel (0: in this process)
     max_response_tokens: int = 512  # an answer cut here is malformed
     max_prompt_tokens: Optional[int] = None  # student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)
     temperature: float = 1.0  # rollout temperature (full distribution: top_k=0, top_p=1)
@@ -620,6 +623,127 @@ class AlfWorldEnv:
 
 
 # -----------------------------------------------------------------------------
+# Stepping many episodes: in this process, or in worker processes (--env-workers N)
+# -----------------------------------------------------------------------------
+# TextWorld is pure Python, so threads would take turns on the GIL: parallel stepping needs
+# processes. Each worker owns the AlfWorldEnv of the episodes pinned to it and answers a batch
+# of calls at a time. The rollout pins a task's G episodes to one worker, so that worker's memo
+# parses the game once.
+
+def _alfworld_worker(conn):
+    """A worker process's loop: [(env_id, (gamefile, max_turns), method, args)] -> [results]."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    envs = {}
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:  # the main process is gone
+            return
+        if batch is None:
+            return
+        replies = []
+        for env_id, spec, method, args in batch:
+            try:
+                if method == "close":
+                    env = envs.pop(env_id, None)
+                    reply = env.close() if env is not None else None
+                else:
+                    env = envs.get(env_id) or envs.setdefault(env_id, AlfWorldEnv(*spec))
+                    reply = getattr(env, method)(*args)
+            except Exception as exc:  # sent back as a value: the caller decides what it means
+                reply = RuntimeError(f"{type(exc).__name__}: {exc}")
+            replies.append(reply)
+        conn.send(replies)
+
+
+class AlfWorldWorkers:
+    """N worker processes (started with "spawn": safe after CUDA, no forked engine state)."""
+
+    def __init__(self, n: int):
+        context = multiprocessing.get_context("spawn")
+        self.conns, self.processes = [], []
+        for _ in range(n):
+            parent, child = context.Pipe()
+            process = context.Process(target=_alfworld_worker, args=(child,), daemon=True)
+            process.start()
+            child.close()
+            self.conns.append(parent)
+            self.processes.append(process)
+        self.ids = itertools.count()
+
+    def run(self, calls: list) -> list:
+        """[(worker, env_id, spec, method, args)] -> results in order: one message per worker,
+        sent to all of them before any answer is read, so they work in parallel."""
+        by_worker = defaultdict(list)
+        for k, (worker, *call) in enumerate(calls):
+            by_worker[worker].append((k, tuple(call)))
+        try:
+            for worker, items in by_worker.items():
+                self.conns[worker].send([call for _, call in items])
+            results = [None] * len(calls)
+            for worker, items in by_worker.items():
+                for (k, _), reply in zip(items, self.conns[worker].recv()):
+                    results[k] = reply
+        except (EOFError, OSError):  # a worker died (a crash in the engine's C code, a kill)
+            dead = [w for w, process in enumerate(self.processes) if not process.is_alive()]
+            raise RuntimeError(f"ALFWorld worker process(es) {dead} died; continue the run with "
+                               "--resume RUN_DIR") from None
+        return results
+
+    def close(self):
+        for conn, process in zip(self.conns, self.processes):
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+
+
+class RemoteAlfWorldEnv:
+    """An AlfWorldEnv that lives in a worker process: the same reset/step/close, one call at a
+    time; env_calls batches the calls of many of them."""
+
+    def __init__(self, workers: AlfWorldWorkers, worker: int, gamefile, max_turns: int):
+        self.workers, self.worker = workers, worker
+        self.env_id, self.spec = next(workers.ids), (str(gamefile), max_turns)
+
+    def call(self, method: str, *args):
+        result = self.workers.run([(self.worker, self.env_id, self.spec, method, args)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def reset(self):
+        return self.call("reset")
+
+    def step(self, action):
+        return self.call("step", action)
+
+    def close(self):
+        return self.call("close")
+
+
+def env_calls(calls: list) -> list:
+    """[(env, method, args)] -> their results, in order; an exception is returned in place of its
+    result, not raised. Envs in worker processes run in parallel; the others one by one."""
+    results, remote, remote_at = [None] * len(calls), defaultdict(list), defaultdict(list)
+    for k, (env, method, args) in enumerate(calls):
+        if isinstance(env, RemoteAlfWorldEnv):
+            remote[env.workers].append((env.worker, env.env_id, env.spec, method, args))
+            remote_at[env.workers].append(k)
+    for workers, batch in remote.items():
+        for k, result in zip(remote_at[workers], workers.run(batch)):
+            results[k] = result
+    for k, (env, method, args) in enumerate(calls):
+        if not isinstance(env, RemoteAlfWorldEnv):
+            try:
+                results[k] = getattr(env, method)(*args)
+            except Exception as exc:
+                results[k] = exc
+    return results
+
+# -----------------------------------------------------------------------------
 # Evaluation panel and per-task-type success
 # -----------------------------------------------------------------------------
 
@@ -863,6 +987,7 @@ class TaskSuite:
                 splits = ("valid_seen",)  # the fixtures have no valid_unseen split
             self.train = discover_alfworld_games(root, "train")
             self.panel = alfworld_eval_panel(root, splits, max_episodes=cfg.eval_episodes)
+            self.workers = AlfWorldWorkers(cfg.env_workers) if cfg.env_workers > 0 else None
         else:
             import webshop_env
             self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
@@ -876,10 +1001,19 @@ class TaskSuite:
         category = self.shop.goals[task]["category"]
         return webshop_env.SKILL_CATEGORY.get(category, category)
 
-    def new_episode(self, task):
+    def new_episode(self, task, slot: int = 0):
+        """A fresh episode of `task`. With --env-workers, `slot` (the rollout passes the task's
+        group) picks the worker process that will own it."""
+        if self.cfg.env == "alfworld" and self.workers is not None:
+            worker = slot % len(self.workers.processes)
+            return RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
         if self.cfg.env == "alfworld":
             return AlfWorldEnv(task, max_turns=self.cfg.max_turns)
         return WebShopEpisode(self.shop, task, self.cfg.success_reward)
+
+    def close(self):
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
 
 # ==================================================================================================
 # 4. Models
@@ -1363,14 +1497,15 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
     episodes = []
     for group, task in enumerate(tasks):
         for _ in range(group_size):
-            episodes.append(Episode(env=suite.new_episode(task), group=group))
-    for episode in episodes:
-        try:
-            episode.observation, info = episode.env.reset()
-            episode.task, episode.task_type = info["task"], info["task_type"]
-            episode.admissible = info["admissible"]
-        except Exception as error:  # a broken task ends as a failure; the run goes on
-            episode.done, episode.error = True, f"reset: {error!r}"
+            episodes.append(Episode(env=suite.new_episode(task, group), group=group))
+    resets = env_calls([(episode.env, "reset", ()) for episode in episodes])
+    for episode, result in zip(episodes, resets):
+        if isinstance(result, Exception):  # a broken task ends as a failure; the run goes on
+            episode.done, episode.error = True, f"reset: {result!r}"
+            continue
+        episode.observation, info = result
+        episode.task, episode.task_type = info["task"], info["task_type"]
+        episode.admissible = info["admissible"]
     timers["t_env"] += time.perf_counter() - start
     samples: list[TurnSample] = []
     by_episode: dict[int, list[TurnSample]] = {}
@@ -1393,6 +1528,7 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
         responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature)
         timers["t_generate"] += time.perf_counter() - t0
         t0 = time.perf_counter()
+        stepping = []  # (episode, action); malformed answers are no-ops: the env is not stepped
         for i, prompt, teacher_prompt, (response, hit_cap) in zip(active, prompts, teacher_prompts, responses):
             episode = episodes[i]
             generated_tokens += len(response)
@@ -1401,22 +1537,29 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
             samples.append(sample)
             by_episode.setdefault(i, []).append(sample)
             episode.turns += 1
-            if action is not None:  # malformed answers are no-ops: the environment is not stepped
-                try:
-                    observation, _, env_done, info = episode.env.step(action)
-                    episode.history.append((episode.observation, action))
-                    episode.observation, episode.admissible = observation, info["admissible"]
-                    episode.won, episode.done = bool(info["won"]), bool(env_done or info["won"])
-                    if info.get("error"):
-                        episode.error = info["error"]
-                except Exception as error:
-                    episode.done, episode.error = True, f"step: {error!r}"
-            if episode.turns >= cfg.max_turns:
-                episode.done = True
+            if action is not None:
+                stepping.append((episode, action))
+        results = env_calls([(episode.env, "step", (action,)) for episode, action in stepping])
+        for (episode, action), result in zip(stepping, results):
+            if isinstance(result, Exception):
+                episode.done, episode.error = True, f"step: {result!r}"
+                continue
+            observation, _, env_done, info = result
+            episode.history.append((episode.observation, action))
+            episode.observation, episode.admissible = observation, info["admissible"]
+            episode.won, episode.done = bool(info["won"]), bool(env_done or info["won"])
+            if info.get("error"):
+                episode.error = info["error"]
+        for i in active:
+            if episodes[i].turns >= cfg.max_turns:
+                episodes[i].done = True
         timers["t_env"] += time.perf_counter() - t0
         bar.update(1)
         bar.set_postfix(active=len(active), won=sum(e.won for e in episodes))
     bar.close()
+    t0 = time.perf_counter()  # hand engines back (to this process's pool, or the worker's)
+    env_calls([(episode.env, "close", ()) for episode in episodes if hasattr(episode.env, "close")])
+    timers["t_env"] += time.perf_counter() - t0
     for i, episode in enumerate(episodes):  # r_{i,t} = R_i - penalty [turn t malformed]
         episode_reward = cfg.success_reward if episode.won else 0.0
         for sample in by_episode.get(i, []):
@@ -1988,6 +2131,8 @@ def validate_config(cfg: Config) -> None:
         print(f"[retireopd] note: with --ema {cfg.ema} the smoothed discrepancy can fall at most "
               f"{1 - cfg.ema ** cfg.window:.0%} in {cfg.window} iterations, so --plateau-tol "
               f"{cfg.plateau_tol} makes the plateau test always pass")
+    if cfg.env_workers < 0:
+        problems.append("--env-workers must be >= 0 (0: step ALFWorld in this process)")
     if cfg.frozen_dtype not in ("float32", "bfloat16"):
         problems.append("--frozen-dtype: float32 or bfloat16")
     known = cfg.model in MODEL_ALIASES or cfg.model == "tiny" or cfg.model.startswith("random:")
@@ -2260,6 +2405,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         result = evaluate(policy, tokenizer, suite, cfg, skills=False, desc="student eval")
         run.log("eval.jsonl", {"phase": "student", "iteration": cfg.iterations - 1, **result})
         run.save_model(policy, tokenizer, "student", {"algo": cfg.algo, "retired_at": retirement.retired_at})
+    suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
     plot = plot_runs([run.dir])
     print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"

@@ -367,7 +367,7 @@ class FakeSuite:
     def task_type(self, task):
         return "pick_and_place_simple"
 
-    def new_episode(self, task):
+    def new_episode(self, task, slot=0):
         return self.Env()
 
 
@@ -607,6 +607,7 @@ def test_bad_flags_fail_before_any_model_is_loaded(tmp_path):
                            (["--retire-at", "2", "--algo", "grpo"], "--retire-at"),
                            (["--retire-at", "99"], "--retire-at"), (["--temperature", "0.7"], "--temperature"),
                            (["--frozen-dtype", "int8"], "--frozen-dtype"), (["--model", "Qwen2.5-15B"], "alias"),
+                           (["--env-workers", "-1"], "--env-workers"),
                            (["--env", "alfworld", "--alfworld-data", str(tmp_path / "none")], "alfworld-download"),
                            (["--env", "webshop", "--webshop-data", str(tmp_path)], "items_shuffle_1000.json")):
         with pytest.raises(SystemExit, match=message):
@@ -971,6 +972,55 @@ def test_group_members_are_independent(fixture_root):
         _, reward, _, info2 = group[2].step(action)
     assert info2["won"] and reward == 10.0
 
+
+@needs_alfworld
+def test_env_workers_play_exactly_like_this_process(fixture_root, tiny, monkeypatch):
+    """--env-workers: the same episodes, turn for turn, when worker processes own the games; a
+    task's G episodes share a worker; a dead worker is a clear error, not a hang."""
+    model, tok = tiny
+    games = discover_alfworld_games(fixture_root, "train")
+    walkthroughs = {}
+    for game in games:
+        _, info = AlfWorldEnv(game).reset()
+        walkthroughs[info["task"]] = _walkthrough(game)
+    turn = [0]
+
+    def scripted(m, t, prompts, n, temp):  # each game's walkthrough, one step per turn
+        answers = []
+        for prompt in prompts:
+            task = t.decode(prompt).split("Your task: ", 1)[1].split("\n", 1)[0]
+            steps = walkthroughs[task]
+            action = steps[turn[0]] if turn[0] < len(steps) else "look"
+            answers.append((t(f"<think>x</think><action>{action}</action><|im_end|>")["input_ids"], False))
+        turn[0] += 1
+        return answers
+
+    monkeypatch.setattr(R, "generate", scripted)
+    longest = max(map(len, walkthroughs.values()))
+
+    def play(workers):
+        cfg = small_cfg(env="alfworld", alfworld_data=str(fixture_root), max_turns=longest + 1,
+                        env_workers=workers)
+        with pytest.warns(UserWarning, match="valid_unseen"):  # the fixtures have no such split
+            suite = R.TaskSuite(cfg)
+        turn[0] = 0
+        try:
+            samples, episodes, _ = R.rollout(model, tok, suite, games, cfg, group_size=2, policy_skills=False,
+                                             teacher_skills=False, temperature=1.0)
+            if workers:
+                assert [e.env.worker for e in episodes] == [g % workers for g in range(len(games)) for _ in range(2)]
+                suite.workers.processes[1].kill()
+                suite.workers.processes[1].join()
+                with pytest.raises(RuntimeError, match=r"worker process\(es\) \[1\] died"):
+                    R.env_calls([(e.env, "reset", ()) for e in episodes])
+        finally:
+            suite.close()
+        return ([(s.episode, s.prompt_ids, s.response_ids, s.score) for s in samples],
+                [(e.task, e.observation, e.history, e.admissible, e.won, e.turns, e.error) for e in episodes])
+
+    here, there = play(0), play(2)
+    assert all(won for *_, won, _, _ in here[1]) and len(here[1]) == 2 * len(games)
+    assert there == here
 
 # ---------------------------------------------------------------------------- real games
 
