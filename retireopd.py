@@ -60,8 +60,8 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import json
 import itertools
+import json
 import math
 import multiprocessing
 import os
@@ -71,6 +71,7 @@ import shutil
 import sys
 import time
 import warnings
+import weakref
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -671,33 +672,47 @@ class AlfWorldWorkers:
             self.conns.append(parent)
             self.processes.append(process)
         self.ids = itertools.count()
+        self.broken = None  # why the pipes can no longer be trusted, once they cannot
+        self.close = weakref.finalize(self, AlfWorldWorkers._shut_down, self.conns, self.processes)
 
     def run(self, calls: list) -> list:
         """[(worker, env_id, spec, method, args)] -> results in order: one message per worker,
         sent to all of them before any answer is read, so they work in parallel."""
+        if self.broken:
+            raise RuntimeError(f"ALFWorld workers unusable: {self.broken}")
         by_worker = defaultdict(list)
         for k, (worker, *call) in enumerate(calls):
             by_worker[worker].append((k, tuple(call)))
+        results, worker = [None] * len(calls), None
         try:
             for worker, items in by_worker.items():
                 self.conns[worker].send([call for _, call in items])
-            results = [None] * len(calls)
             for worker, items in by_worker.items():
-                for (k, _), reply in zip(items, self.conns[worker].recv()):
+                replies = self.conns[worker].recv()
+                if len(replies) != len(items):
+                    raise EOFError
+                for (k, _), reply in zip(items, replies):
                     results[k] = reply
         except (EOFError, OSError):  # a worker died (a crash in the engine's C code, a kill)
-            dead = [w for w, process in enumerate(self.processes) if not process.is_alive()]
-            raise RuntimeError(f"ALFWorld worker process(es) {dead} died; continue the run with "
-                               "--resume RUN_DIR") from None
+            self.processes[worker].join(timeout=1)
+            self.broken = (f"ALFWorld worker {worker} died (exit code "
+                           f"{self.processes[worker].exitcode}); continue the run with --resume RUN_DIR")
+            raise RuntimeError(self.broken) from None
+        except BaseException:  # e.g. Ctrl-C between a send and its answer: replies are now stale
+            self.broken = "a batch of calls was interrupted"
+            raise
         return results
 
-    def close(self):
-        for conn, process in zip(self.conns, self.processes):
+    @staticmethod
+    def _shut_down(conns, processes):
+        for conn in conns:
             with contextlib.suppress(OSError):
                 conn.send(None)
-            process.join(timeout=5)
+        for conn, process in zip(conns, processes):
+            process.join(timeout=2)
             if process.is_alive():
                 process.terminate()
+            conn.close()
 
 
 class RemoteAlfWorldEnv:
@@ -2078,12 +2093,13 @@ def resume_config(run_dir: str, given: dict) -> Config:
     if not saved_file.is_file():
         raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
     saved = json.loads(saved_file.read_text())
+    free = ("run_dir", "env_workers")  # how the run is executed, not what it computes
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
-               for k, v in given.items() if saved.get(k) != v and k != "run_dir"]
+               for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
         raise SystemExit("retireopd: --resume continues a run with its own config; drop "
                          + ", ".join(clashes) + " or start a new run")
-    cfg = Config(**{**saved, "run_dir": run_dir})
+    cfg = Config(**{**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir})
     validate_config(cfg)
     return cfg
 
@@ -2133,6 +2149,8 @@ def validate_config(cfg: Config) -> None:
               f"{cfg.plateau_tol} makes the plateau test always pass")
     if cfg.env_workers < 0:
         problems.append("--env-workers must be >= 0 (0: step ALFWorld in this process)")
+    elif cfg.env_workers and cfg.env != "alfworld":
+        print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
     if cfg.frozen_dtype not in ("float32", "bfloat16"):
         problems.append("--frozen-dtype: float32 or bfloat16")
     known = cfg.model in MODEL_ALIASES or cfg.model == "tiny" or cfg.model.startswith("random:")

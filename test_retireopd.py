@@ -1011,8 +1011,10 @@ def test_env_workers_play_exactly_like_this_process(fixture_root, tiny, monkeypa
                 assert [e.env.worker for e in episodes] == [g % workers for g in range(len(games)) for _ in range(2)]
                 suite.workers.processes[1].kill()
                 suite.workers.processes[1].join()
-                with pytest.raises(RuntimeError, match=r"worker process\(es\) \[1\] died"):
+                with pytest.raises(RuntimeError, match=r"worker 1 died .*--resume"):
                     R.env_calls([(e.env, "reset", ()) for e in episodes])
+                with pytest.raises(RuntimeError, match="unusable"):  # never a stale answer
+                    episodes[0].env.reset()
         finally:
             suite.close()
         return ([(s.episode, s.prompt_ids, s.response_ids, s.score) for s in samples],
@@ -1118,6 +1120,7 @@ def test_resume_before_the_first_checkpoint_starts_over_without_duplicates(tmp_p
     assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
     with pytest.raises(SystemExit, match="--group-size"):  # a resume may not change the config
         R.main(["--resume", str(run_dir), "--group-size", "4"])
+    assert R.resume_config(str(run_dir), {"env_workers": 3}).env_workers == 3  # only how it runs
 
 
 def test_non_finite_loss_skips_the_optimizer_step(tiny):
