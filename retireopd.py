@@ -742,20 +742,21 @@ class RemoteAlfWorldEnv:
 def env_calls(calls: list) -> list:
     """[(env, method, args)] -> their results, in order; an exception is returned in place of its
     result, not raised. Envs in worker processes run in parallel; the others one by one."""
-    results, remote, remote_at = [None] * len(calls), defaultdict(list), defaultdict(list)
+    results, remote, local = [None] * len(calls), defaultdict(list), []
     for k, (env, method, args) in enumerate(calls):
         if isinstance(env, RemoteAlfWorldEnv):
-            remote[env.workers].append((env.worker, env.env_id, env.spec, method, args))
-            remote_at[env.workers].append(k)
+            remote[env.workers].append((k, (env.worker, env.env_id, env.spec, method, args)))
+        else:
+            local.append(k)
     for workers, batch in remote.items():
-        for k, result in zip(remote_at[workers], workers.run(batch)):
+        for (k, _), result in zip(batch, workers.run([call for _, call in batch])):
             results[k] = result
-    for k, (env, method, args) in enumerate(calls):
-        if not isinstance(env, RemoteAlfWorldEnv):
-            try:
-                results[k] = getattr(env, method)(*args)
-            except Exception as exc:
-                results[k] = exc
+    for k in local:
+        env, method, args = calls[k]
+        try:
+            results[k] = getattr(env, method)(*args)
+        except Exception as exc:
+            results[k] = exc
     return results
 
 # -----------------------------------------------------------------------------
@@ -993,7 +994,7 @@ class TaskSuite:
     """
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg, self.workers = cfg, None
         if cfg.env == "alfworld":
             root = alfworld_data_root(cfg.alfworld_data)
             splits = ("valid_seen", "valid_unseen")
@@ -1002,7 +1003,8 @@ class TaskSuite:
                 splits = ("valid_seen",)  # the fixtures have no valid_unseen split
             self.train = discover_alfworld_games(root, "train")
             self.panel = alfworld_eval_panel(root, splits, max_episodes=cfg.eval_episodes)
-            self.workers = AlfWorldWorkers(cfg.env_workers) if cfg.env_workers > 0 else None
+            if cfg.env_workers > 0:
+                self.workers = AlfWorldWorkers(cfg.env_workers)
         else:
             import webshop_env
             self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
@@ -1019,15 +1021,15 @@ class TaskSuite:
     def new_episode(self, task, slot: int = 0):
         """A fresh episode of `task`. With --env-workers, `slot` (the rollout passes the task's
         group) picks the worker process that will own it."""
-        if self.cfg.env == "alfworld" and self.workers is not None:
+        if self.cfg.env == "webshop":
+            return WebShopEpisode(self.shop, task, self.cfg.success_reward)
+        if self.workers is not None:
             worker = slot % len(self.workers.processes)
             return RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
-        if self.cfg.env == "alfworld":
-            return AlfWorldEnv(task, max_turns=self.cfg.max_turns)
-        return WebShopEpisode(self.shop, task, self.cfg.success_reward)
+        return AlfWorldEnv(task, max_turns=self.cfg.max_turns)
 
     def close(self):
-        if getattr(self, "workers", None) is not None:
+        if self.workers is not None:
             self.workers.close()
 
 # ==================================================================================================
