@@ -1,56 +1,45 @@
 """RetireOPD: Self-Retiring On-Policy Distillation for agentic RL, in one file.
 
-A minimal, readable reference implementation of the method of *RetireOPD: Self-Retiring
-On-Policy Distillation for Agentic Reinforcement Learning* (arXiv 2609.20784). Read it top to
-bottom beside the paper:
+A minimal, readable reference implementation of *RetireOPD: Self-Retiring On-Policy Distillation
+for Agentic Reinforcement Learning* (arXiv 2609.20784), following the authors' own code point by
+point (README: "ours vs the authors' code"). Read it top to bottom beside the paper:
 
-    1. config            every knob, with the paper/protocol default and a note on its origin
+    1. config            every knob, with the authors' default, and what each --algo runs
     2. skills & prompts  the privileged skill texts the teacher sees, the prompt, action parsing
     3. environments      ALFWorld (real alfworld/TextWorld engine) and WebShop (webshop_env.py)
     4. models            Qwen2.5 checkpoints, random-weight `random:` shapes, and the offline `tiny`
-    5. the math          small pure functions, one per equation (GRPO, log-probs, KL, OPD, PPO,
-                         plateau test, retirement rule)
+    5. the math          small pure functions, one per equation (GRPO, log-probs, the gap K, dual-clip
+                         PPO, the OPD loss, the retirement rule)
     6. rollout           lock-step, batched multi-turn episodes
-    7. update            old/teacher/reference log-probs and the PPO-clip step
+    7. update            old/teacher/reference log-probs and the combined loss, in mini-batches
     8. phases            phase 1 Skill-GRPO teacher, phase 2 GRPO + OPD student with retirement
     9. main              run folder, metrics.jsonl, checkpoints, evaluation
 
 The method. Phase 1 trains a *teacher* with GRPO while the task's skill notes sit in its prompt,
-then freezes it and records its success rate S_T. Phase 2 trains a skill-free *student* with
-GRPO plus on-policy distillation (OPD): the teacher scores every token the student sampled, and
-the per-token gap log p_T - log p_S is added to the GRPO advantage. After each phase-2
-iteration two conditions are checked: the teacher-student discrepancy has stopped shrinking,
-and the student succeeds at least rho * S_T of the time. When both hold the teacher is retired
-(deleted from memory) and training goes on with GRPO alone.
+then freezes it; its success S_T is its validation success with skills. Phase 2 trains a
+skill-free *student* with GRPO plus an on-policy distillation loss lambda * L_OPD: the teacher
+scores every token the student sampled. Every W = 5 iterations, at the student's validation, the
+mean gap K = mean(log p_student - log p_teacher) of the last W iterations is compared with the W
+before: when it did not shrink at all and the student's last two validations average at least
+rho * S_T, the teacher is retired (deleted from memory) and training goes on with GRPO alone.
 
 Commands
-    python retireopd.py --model tiny                        # offline CPU demo, every code path, minutes
+    python retireopd.py --model tiny                        # offline CPU demo, minutes
     python retireopd.py --model tiny --env alfworld         # same, on fixture ALFWorld games we write
     python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
     python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
     python retireopd.py --model random:Qwen2.5-1.5B --iterations 1   # real shapes, random weights
     python retireopd.py --algo grpo | skill-grpo | opd | grpo+opd | retireopd --retire-at 40
 
-Deliberate choices (the paper publishes only its abstract; README "choices and deviations"
-has the full list with reasons):
-    - discrepancy D = batch token-mean of the k3 estimator of KL(student || teacher) on the
-      student's own samples; EMA 0.9, plateau when the EMA fell by <= 2% over the last 10
-      iterations; rho = 0.9; S_T = the teacher's mean training success over its last 10
-      phase-1 iterations. All are ours and are flags.
-    - OPD signal: per-token advantage lambda * (log p_T - log p_old), lambda = 1, added to the
-      GRPO advantage inside the same PPO-clip surrogate (no reward-to-go over later tokens).
-    - skills sit inside the user message, before the task, in phase 1 and when scoring.
-    - each turn is one training sample (verl-agent): GRPO statistics are taken over all
-      turn-samples of a group, a malformed turn costs 0.1.
+Deliberate choices (README "choices and deviations" has the full list with reasons):
+    - the validation panels are fixed (ALFWorld valid_seen, WebShop's first 128 validation goals),
+      where the authors draw 128 random validation episodes; S_T is recorded, not typed in.
+    - the teacher prompt is the student prompt plus the skill block, in both phases, never cut.
+    - mini-batches are shuffled and the loss is the exact token mean over each mini-batch.
+    - precision: fp32 master weights with bf16 autocast on GPU; the frozen teacher and reference
+      in fp32 by default (--frozen-dtype bfloat16 to halve them); log-probs from fp32 logits.
     - sampling is the full distribution (temperature 1, top_k 0, top_p 1, no repetition
       penalty) whatever the checkpoint's own generation config says.
-    - precision: fp32 master weights with bf16 autocast on GPU (an AdamW step of lr 1e-6 is
-      lost in bf16 weights); the frozen teacher and reference run the same numerics (fp32
-      weights by default, --frozen-dtype bfloat16 to halve them); sampling and log-probs both
-      from fp32 logits.
-    - ALFWorld engines run in-process (or in --env-workers processes) with TextWorld's parsing
-      memoised (same text, ~10x faster resets); WebShop is our re-implementation
-      (webshop_env.py), equal to the original on its golden rewards, searches and episodes.
 """
 
 from __future__ import annotations
@@ -75,7 +64,7 @@ import weakref
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -87,7 +76,28 @@ from tqdm.auto import tqdm
 # 1. Config
 # ==================================================================================================
 
-ALGOS = ("retireopd", "grpo", "skill-grpo", "opd", "grpo+opd")
+
+
+class Algorithm(NamedTuple):
+    """What one `--algo` runs. Phase 1 (Skill-GRPO) trains the teacher with GRPO while the skills
+    sit in its prompt; phase 2 trains a fresh, skill-free student with the losses named here."""
+    teacher_phase: bool  # run phase 1 (or reuse a teacher with --teacher)
+    student_phase: bool  # run phase 2
+    grpo_loss: bool  # phase 2 trains on the PPO-clip GRPO loss (environment reward)
+    opd_loss: bool  # phase 2 adds lambda * L_OPD toward the frozen teacher
+    retirement: Optional[str]  # "adaptive": the authors' rule (--retire-at N: a fixed schedule); None: never
+
+
+ALGORITHMS = {
+    "retireopd": Algorithm(teacher_phase=True, student_phase=True, grpo_loss=True, opd_loss=True,
+                           retirement="adaptive"),
+    "grpo": Algorithm(teacher_phase=False, student_phase=True, grpo_loss=True, opd_loss=False, retirement=None),
+    "skill-grpo": Algorithm(teacher_phase=True, student_phase=False, grpo_loss=False, opd_loss=False,
+                            retirement=None),
+    "opd": Algorithm(teacher_phase=True, student_phase=True, grpo_loss=False, opd_loss=True, retirement=None),
+    "grpo+opd": Algorithm(teacher_phase=True, student_phase=True, grpo_loss=True, opd_loss=True, retirement=None),
+}
+ALGOS = tuple(ALGORITHMS)
 PHASES = ("teacher", "student")
 ENVS = ("alfworld", "webshop")
 MODEL_ALIASES = {
@@ -126,39 +136,45 @@ class Config:
     malformed_penalty: float = 0.1  # subtracted from a turn's score when its answer is malformed
     success_reward: float = 10.0  # R_i for a won episode
     # --- update ----------------------------------------------------------------------------------
-    lr: float = 1e-6  # AdamW learning rate (verl-agent protocol)
+    lr: float = 1e-6  # AdamW learning rate (the authors' scripts)
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # gradient-norm clipping
     clip_eps: float = 0.2  # PPO clip
+    dual_clip: float = 3.0  # dual-clip PPO: for A < 0 the loss is also capped at -c*A (verl's clip_ratio_c)
     ppo_epochs: int = 1  # passes over each iteration's samples
-    mini_batch: Optional[int] = None  # turn-samples per optimizer step; None -> 256 (ALFWorld) / 64 (WebShop)
+    mini_batch: Optional[int] = None  # turn-samples per optimizer step in phase 1 and --algo grpo;
+    #   None -> 256 (ALFWorld) / 64 (WebShop)
+    opd_mini_batch: int = 128  # turn-samples per optimizer step in phase 2 with a teacher (both envs)
     token_budget: int = 16384  # padded tokens per micro-batch (forward/backward chunk)
-    kl_coef: float = 0.01  # KL-to-reference (k3) coefficient; 0 skips the reference model entirely
+    kl_coef: float = 0.01  # KL-to-reference (k3) coefficient in phase 1 and --algo grpo; 0 skips the
+    #   reference model entirely
+    opd_kl_coef: float = 0.0  # the same in phase 2 with a teacher (the authors': off, no reference model)
     entropy_coef: float = 0.001  # entropy bonus; 0 skips computing it
-    opd_coef: float = 1.0  # lambda: weight of the OPD advantage (ours)
+    opd_coef: float = 0.01  # lambda: weight of the OPD loss L_OPD (the authors' 0.01); 0 after retirement
     gradient_checkpointing: bool = True  # recompute activations in backward (GPU only; saves memory)
     logprob_chunk: int = 1024  # response positions per lm_head/log-softmax chunk
-    # --- retirement (all values are ours: the paper does not publish them) -------------------------
-    window: int = 10  # W: plateau window and success-averaging window
-    plateau_tol: float = 0.02  # plateau iff relative EMA decrease over W iterations <= tol
-    ema: float = 0.9  # smoothing of the discrepancy
-    rho: float = 0.9  # student must reach rho * S_T
+    # --- retirement (the authors' rule and defaults) -------------------------------------------------
+    window: int = 5  # W: the gap K is averaged over non-overlapping blocks of W iterations
+    alignment_threshold: float = 0.0  # "stopped shrinking": progress (K_prev - K)/K_prev <= this
+    rho: float = 0.9  # competence: mean of the student's last two validation successes >= rho * S_T
+    teacher_success: Optional[float] = None  # S_T; None: the mean of the teacher's last two
+    #   validations with skills, recorded at the end of phase 1
     # --- evaluation & outputs --------------------------------------------------------------------
-    eval_every: int = 5  # validation every N iterations (0: only at phase ends)
-    eval_temperature: float = 0.4  # sampling temperature of the fixed-panel evaluations
-    eval_episodes: Optional[int] = None  # cap the fixed panel (ALFWorld: round-robin over task types;
-    #   WebShop: the first N goals); None = the whole panel
+    eval_every: int = 5  # validation every N iterations (1 <= N <= W) and at a phase's last iteration
+    eval_temperature: float = 0.4  # sampling temperature of validations and the end-of-phase reports
+    eval_episodes: Optional[int] = None  # cap every panel, for quick checks (ALFWorld: round-robin
+    #   over task types; WebShop: the first N goals); None = the whole panel
     save_every: int = 10  # resumable checkpoint every N iterations (also at phase ends, retirement)
     keep_checkpoints: int = 2  # how many resumable checkpoints to keep
     frozen_dtype: str = "float32"  # teacher/reference weights: float32 (the student's numerics, so
-    #   identical models give D = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)
+    #   identical models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)
 
 
 # `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
 # a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
 TINY_PRESET = dict(
     env="webshop", alfworld_data="fixtures", iterations=10, batch_tasks=2, group_size=4, max_turns=4,
-    max_response_tokens=32, max_prompt_tokens=4096, mini_batch=16, window=3, ema=0.7, plateau_tol=0.2,
+    max_response_tokens=32, max_prompt_tokens=4096, mini_batch=16, opd_mini_batch=16, window=3,
     eval_every=3, eval_episodes=4, lr=1e-4,
 )
 
@@ -226,7 +242,12 @@ FORMAT_INSTRUCTION = (
     "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
     "<action> </action>, for example: <think>...</think><action>go to cabinet 1</action>"
 )
-SYSTEM_PROMPT = "You are an agent that completes tasks in a text environment, one action per turn."
+# One line that says where the agent is; the prompt is a lone user message (no system turn of ours:
+# a Qwen2.5-Instruct chat template then adds its own default system turn, as in the authors' runs).
+ENV_INTRO = {
+    "alfworld": "You are an agent in ALFWorld, a text-based household.",
+    "webshop": "You are an agent shopping in WebShop, a text-based web store.",
+}
 
 
 def skill_text(env_name: str, task_type: str) -> str:
@@ -236,18 +257,23 @@ def skill_text(env_name: str, task_type: str) -> str:
     return "Skills for this task:\n" + "\n".join(f"- {rule}" for rule in rules)
 
 
-def build_user_message(task: str, history: list[tuple[str, str]], observation: str,
-                       admissible: list[str], skills: str = "") -> str:
+def build_user_message(env_name: str, task: str, steps_taken: int, history: list[tuple[str, str]],
+                       observation: str, admissible: list[str], skills: str = "") -> str:
     """The user message of s_t (student, skills="") or s_t^T (teacher, skills=the skill block).
 
-    One function builds both, so the teacher's prompt differs from the student's by exactly the
-    skill block, which sits inside the user message before the task.
+    The content of the verl-agent prompts the authors train with, in our words: the task, how
+    many steps were already taken, the last H (observation, action) pairs, the current
+    observation, the admissible actions, the answer format. One function builds both prompts,
+    so the teacher's differs from the student's by exactly the skill block, which sits inside
+    the user message before the task.
     """
     parts = [skills] if skills else []
-    parts.append(f"Your task: {task}")
+    parts.append(f"{ENV_INTRO[env_name]} Your task: {task}")
     if history:
-        parts.append("Your last steps:\n" + "\n".join(
+        parts.append(f"You have taken {steps_taken} step(s). Your last {len(history)} observation(s) and action(s):\n" + "\n".join(
             f"Observation: {obs}\nAction: {act}" for obs, act in history))
+    else:
+        parts.append(f"You have taken {steps_taken} step(s).")
     parts.append(f"Current observation:\n{observation}")
     parts.append("Admissible actions: " + ", ".join(f"'{a}'" for a in admissible))
     parts.append(FORMAT_INSTRUCTION)
@@ -987,14 +1013,18 @@ class WebShopEpisode:
 
 
 class TaskSuite:
-    """The tasks of one benchmark: a training pool, a fixed evaluation panel, an episode factory.
+    """The tasks of one benchmark: a training pool, two fixed panels, an episode factory.
 
-    ALFWorld tasks are game files (train split for training; valid_seen + valid_unseen, sorted,
-    for evaluation). WebShop tasks are goal indices (the seed-233 split of webshop_env).
+    validation_panel: what the retirement rule and S_T read, every --eval-every iterations (the
+    in-distribution split: ALFWorld's 140 valid_seen games; WebShop's first 128 validation
+    goals). report_panel: the full evaluation at the end of each phase (ALFWorld valid_seen +
+    valid_unseen; WebShop all validation goals). ALFWorld tasks are game files, WebShop tasks goal
+    indices (the seed-233 split of webshop_env). --eval-episodes caps both panels.
     """
 
     def __init__(self, cfg: Config):
         self.cfg, self.workers = cfg, None
+        cap = cfg.eval_episodes
         if cfg.env == "alfworld":
             root = alfworld_data_root(cfg.alfworld_data)
             splits = ("valid_seen", "valid_unseen")
@@ -1002,14 +1032,17 @@ class TaskSuite:
                 root = write_fixture_alfworld_games(Path(cfg.run_dir) / "alfworld_fixtures")
                 splits = ("valid_seen",)  # the fixtures have no valid_unseen split
             self.train = discover_alfworld_games(root, "train")
-            self.panel = alfworld_eval_panel(root, splits, max_episodes=cfg.eval_episodes)
+            self.validation_panel = alfworld_eval_panel(root, ("valid_seen",), max_episodes=cap)
+            self.report_panel = alfworld_eval_panel(root, splits, max_episodes=cap)
             if cfg.env_workers > 0:
                 self.workers = AlfWorldWorkers(cfg.env_workers)
         else:
             import webshop_env
             self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
             self.train = list(self.shop.train_goal_indices)
-            self.panel = list(self.shop.valid_goal_indices)[: cfg.eval_episodes]
+            validation_goals = list(self.shop.valid_goal_indices)
+            self.validation_panel = validation_goals[:128][:cap]
+            self.report_panel = validation_goals[:cap]
 
     def task_type(self, task) -> str:
         if self.cfg.env == "alfworld":
@@ -1071,7 +1104,7 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     """
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-    corpus = [SYSTEM_PROMPT, FORMAT_INSTRUCTION, "<think></think><action></action> search[ click[ ] [SEP]"]
+    corpus = [*ENV_INTRO.values(), FORMAT_INSTRUCTION, "<think></think><action></action> search[ click[ ] [SEP]"]
     for skills in (ALFWORLD_SKILLS, WEBSHOP_SKILLS):
         corpus += [rule for rules in skills.values() for rule in rules]
     corpus += ["You arrive at countertop 1. On the countertop 1, you see a apple 1, a mug 2.",
@@ -1244,141 +1277,190 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn
     return (logp, entropy) if with_entropy else logp
 
 
-def teacher_student_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor):
-    """Teacher-student discrepancy on the student's own samples.     (paper: retirement condition i)
+def k3(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate of KL(pi || other) per token, for tokens sampled from pi.
 
-        d_k = l^S_k - l^T_k,   k3_k = exp(-d_k) - 1 + d_k  >= 0
-        D = sum_k mask_k k3_k / sum_k mask_k
+        k3_k = exp(l^other_k - l_k) - 1 + (l_k - l^other_k)   >= 0, exactly 0 where l = l^other
 
-    student_logp, teacher_logp, mask: (..., T) matching shapes. Returns (k3 per token, D).
-    k3 is the low-variance, always non-negative, unbiased estimator of KL(student || teacher)
-    for tokens sampled from the student; identical inputs give exactly 0.
+    (..., T) -> (..., T). Unbiased, never negative, low variance (Schulman's "approximating KL").
     """
-    d = student_logp - teacher_logp
-    k3 = (torch.exp(-d) - 1 + d) * mask
-    return k3, k3.sum() / mask.sum().clamp(min=1)
+    log_ratio = other_logp - logp
+    return torch.exp(log_ratio) - 1 - log_ratio
 
 
-def opd_advantage(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    """Dense on-policy-distillation signal per sampled token.               (paper: OPD term)
+def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor):
+    """The retirement statistic K of one iteration, and its k3 companion.   (paper: Sec. retirement)
 
-        A^OPD_k = l^T_k - l^S_k      (stop-gradient)
+        K    = sum_k mask_k (l^old_k - l^T_k) / sum_k mask_k        (signed: the k1 estimate)
+        K_k3 = sum_k mask_k k3(l^old_k, l^T_k) / sum_k mask_k       (never negative)
 
-    (..., T) -> (..., T). Used as a per-token advantage in the PPO surrogate, its expected
-    gradient is -grad KL(student || teacher): the student is pushed toward tokens the teacher
-    finds likelier than it does. (Differentiating mean(l^theta - l^T) through l^theta alone has
-    zero expected gradient, because E_pi[grad log pi] = 0; test_retireopd shows both facts.)
+    Both estimate KL(student || teacher) on the student's own samples, over all response tokens of
+    all turn-samples of the iteration. K is what the rule reads (the authors' K = -gap_mean); it
+    can be negative on a batch where the teacher likes the sampled tokens more than the student
+    does. K_k3 is a diagnostic: the discrepancy a plot should show beside K. Returns two floats.
     """
-    return (teacher_logp - student_logp).detach()
+    tokens = mask.sum().clamp(min=1)
+    gap = float(((old_logp - teacher_logp) * mask).sum() / tokens)
+    return gap, float((k3(old_logp, teacher_logp) * mask).sum() / tokens)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip: float = 0.2, ref_logp: Optional[torch.Tensor] = None,
-                kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None,
-                entropy_coef: float = 0.0, num_tokens: Optional[float] = None):
-    """PPO-clip surrogate with per-token advantages, token-mean.       (paper: the policy update)
-
+                mask: torch.Tensor, clip: float = 0.2, dual_clip: float = 3.0,
+                ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
+                num_tokens: Optional[float] = None):
+    """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
+                                                                     (paper: the RL backbone)
         ratio_k = exp(l^theta_k - l^old_k)
-        L = sum_k mask_k [ -min(ratio_k Â_k, clip(ratio_k, 1-eps, 1+eps) Â_k)
-                           + kl_coef * k3(l^theta_k, l^ref_k) - entropy_coef * H_k ] / num_tokens
-        Â_k = A^GRPO + lambda A^OPD_k  (teacher active) | lambda A^OPD_k (pure OPD) | A^GRPO (else)
+        L^clip_k = max(-ratio_k A_k, -clip(ratio_k, 1-eps, 1+eps) A_k)
+        L^PG_k  = min(L^clip_k, -c A_k)  where A_k < 0  (dual clip: a huge ratio on a bad token
+                  cannot blow the loss up),  L^clip_k elsewhere
+        L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
 
-    All tensors (B, T) (or any matching shape); `advantages` already per token. num_tokens is the
-    token count of the whole mini-batch (default: mask.sum()), so the losses of micro-batches
-    add up to the mini-batch's token-mean. Returns (loss, stats); stats are sums over tokens
-    divided by num_tokens too, so they add up across micro-batches the same way.
+    All tensors (B, T) (or any matching shape); `advantages` per token (a turn-sample's GRPO
+    advantage repeated over its tokens). The KL term (phase 1 and --algo grpo) is clamped at 10 as
+    verl's low_var_kl is. num_tokens is the token count of the whole mini-batch (default:
+    mask.sum()), so the losses of micro-batches add up to the mini-batch's token-mean. Returns
+    (loss, stats); stats are sums over tokens divided by num_tokens too, so they add up across
+    micro-batches the same way: clip_frac (the clipped term was the larger), dual_clip_frac (the
+    dual clip was active), approx_kl_old (mean l^old - l^theta), kl_ref, entropy.
     """
-    num_tokens = float(mask.sum()) if num_tokens is None else float(num_tokens)
-    num_tokens = max(num_tokens, 1.0)
+    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
     ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    stats = {"pg_loss": float((per_token.detach() * mask).sum() / num_tokens),  # clip_frac: the
-             "clip_frac": float(((clipped < unclipped).float() * mask).sum() / num_tokens),  # min took the clip
-             "approx_kl_old": float(((old_logp - logp).detach() * mask).sum() / num_tokens)}
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_cap = -advantages * dual_clip
+    per_token = torch.where(advantages < 0, torch.minimum(clip_loss, dual_cap), clip_loss)
+    mean = lambda values: float((values.detach().float() * mask).sum() / num_tokens)  # noqa: E731
+    stats = {"pg_loss": mean(per_token), "clip_frac": mean(clipped > unclipped),
+             "dual_clip_frac": mean((clip_loss > dual_cap) & (advantages < 0)),
+             "approx_kl_old": mean(old_logp - logp)}
     if kl_coef > 0 and ref_logp is not None:
-        kl_ref, _ = teacher_student_kl(logp, ref_logp, mask)
+        kl_ref = torch.clamp(k3(logp, ref_logp), max=10.0)
         per_token = per_token + kl_coef * kl_ref
-        stats["kl_ref"] = float(kl_ref.detach().sum() / num_tokens)
+        stats["kl_ref"] = mean(kl_ref)
     if entropy_coef > 0 and entropy is not None:
         per_token = per_token - entropy_coef * entropy
-        stats["entropy"] = float((entropy.detach() * mask).sum() / num_tokens)
+        stats["entropy"] = mean(entropy)
     return (per_token * mask).sum() / num_tokens, stats
 
 
-def discrepancy_ema(history: list[float], ema: float = 0.9) -> list[float]:
-    """m_k = ema * m_{k-1} + (1 - ema) * D_k, with m_0 = D_0."""
-    smoothed: list[float] = []
-    for value in history:
-        smoothed.append(value if not smoothed else ema * smoothed[-1] + (1 - ema) * value)
-    return smoothed
+def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
+             num_tokens: Optional[float] = None):
+    """The on-policy distillation loss, a term of its own outside the PPO clip.  (paper: OPD term)
 
+        rho_k  = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
+        k3_k   = exp(min(l^T_k - l^theta_k, 20)) - 1 + (l^theta_k - l^T_k)
+        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD
 
-def discrepancy_plateaued(history: list[float], window: int = 10, tol: float = 0.02,
-                          ema: float = 0.9) -> bool:
-    """Has the teacher-student discrepancy stopped shrinking?      (paper: retirement condition i)
-
-        plateau  <=>  (m_{k-W} - m_k) / m_{k-W} <= tol,   m = discrepancy_ema(D)
-
-    history: the per-iteration discrepancies D_0..D_k. False while fewer than W+1 values exist.
-    A smoothed discrepancy of 0 cannot shrink any more and counts as a plateau.
+    (B, T) tensors; l^old and l^T are constants, the gradient flows through l^theta in both
+    factors: d(rho k3)/dl^theta = rho (l^theta - l^T) (the clamps cut it where they bind). That is
+    the reverse-KL policy gradient with an unclipped, importance-weighted per-token advantage
+    lambda (l^T - l^theta): the student is pushed toward tokens the teacher finds likelier than
+    it does. (Differentiating mean(l^theta - l^T) instead has zero expected gradient, because
+    E_pi[grad log pi] = 0; test_retireopd shows both facts.) Returns (loss, {"opd_loss": ...}).
     """
-    if len(history) < window + 1:
-        return False
-    smoothed = discrepancy_ema(history, ema)
-    before, now = smoothed[-1 - window], smoothed[-1]
-    if before <= 0:
-        return True
-    return (before - now) / before <= tol
+    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
+    teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
+    weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
+    k3_teacher = torch.exp(torch.clamp(teacher_logp - logp, max=20.0)) - 1 + (logp - teacher_logp)
+    loss = (weight * k3_teacher * mask).sum() / num_tokens
+    return loss, {"opd_loss": float(loss.detach())}
 
 
-def should_retire(plateaued: bool, student_success: float, teacher_success: float,
+# ----- the retirement rule: the authors' state machine, as three pure pieces and one latch -------
+# Each phase-2 iteration's gap K goes into a block of W iterations; a full block's mean is kept.
+# At every validation the oldest full block not yet judged is judged against the previous judged
+# one: the first only sets the baselines, so with W = 5 = eval_every the earliest decision is at
+# the validation after iteration 10 (1-based) and the teacher is gone from iteration 11.
+
+
+def alignment_progress(previous_block: Optional[float], block: float, eps: float = 1e-8) -> Optional[float]:
+    """How much the gap shrank from one block to the next.          (paper: retirement condition i)
+
+        progress = (K_{m-1} - K_m) / K_{m-1}
+
+    None (the criterion is invalid) when there is no previous block or |K_{m-1}| <= eps.
+    "Stopped shrinking" is progress <= threshold (0.0): the gap did not decrease at all.
+    """
+    if previous_block is None or abs(previous_block) <= eps:
+        return None
+    return (previous_block - block) / previous_block
+
+
+def competence(success: float, previous_success: float, teacher_success: float) -> float:
+    """The student's competence relative to its teacher.            (paper: retirement condition ii)
+
+        competence = (S_m + S_{m-1}) / (2 S_T)
+
+    S_m, S_{m-1}: the student's validation successes at this judging validation and the previous
+    one; S_T > 0: the teacher's validation success with skills.
+    """
+    return (success + previous_success) / (2 * teacher_success)
+
+
+def should_retire(progress: Optional[float], competence_ratio: Optional[float], threshold: float = 0.0,
                   rho: float = 0.9) -> bool:
-    """Both retirement conditions.                                  (paper: adaptive retirement)
-
-        retire  <=>  plateaued  and  S_student >= rho * S_T
-
-    student_success: mean training success of the student's last W iterations; teacher_success:
-    the teacher's mean training success over its last W phase-1 iterations. Latching (never
-    re-enabling the teacher) is the caller's job: see Retirement.
-    """
-    return bool(plateaued) and student_success >= rho * teacher_success
+    """Both conditions: the criterion is valid, progress <= threshold and competence >= rho."""
+    return progress is not None and competence_ratio is not None and progress <= threshold \
+        and competence_ratio >= rho
 
 
 @dataclass
 class Retirement:
-    """The retirement state of phase 2: discrepancy history, success history, the latch."""
-    teacher_success: float
-    window: int = 10
-    tol: float = 0.02
-    ema: float = 0.9
-    rho: float = 0.9
-    retire_at: Optional[int] = None  # fixed schedule instead of the adaptive rule
-    never: bool = False  # grpo+opd and opd: the teacher is never retired
-    discrepancies: list = field(default_factory=list)
-    successes: list = field(default_factory=list)
-    retired: bool = False
-    retired_at: Optional[int] = None  # the first phase-2 iteration that ran without the teacher
+    """Phase 2's retirement state: K blocks, the judged baselines, and the latch.
 
-    def update(self, iteration: int, discrepancy: float, success: float) -> dict:
-        """Record one phase-2 iteration and decide; returns what is logged either way."""
-        self.discrepancies.append(discrepancy)
-        self.successes.append(success)
-        plateaued = discrepancy_plateaued(self.discrepancies, self.window, self.tol, self.ema)
-        recent_success = sum(self.successes[-self.window:]) / len(self.successes[-self.window:])
-        if self.retire_at is not None:
-            fire = iteration + 1 >= self.retire_at
-        else:
-            fire = should_retire(plateaued, recent_success, self.teacher_success, self.rho)
-        fired_now = fire and not self.retired and not self.never
-        if fired_now:  # the latch: once retired, never re-enabled
-            self.retired, self.retired_at = True, iteration + 1  # first iteration without teacher
-        return {"discrepancy": discrepancy,
-                "discrepancy_ema": discrepancy_ema(self.discrepancies, self.ema)[-1],
-                "plateaued": plateaued, "student_success_window": recent_success,
-                "rho_teacher_success": self.rho * self.teacher_success,
-                "retire_now": fired_now, "retired": self.retired}
+    mode "adaptive": the rule above; "fixed": --retire-at N (the teacher scores N iterations);
+    "never": grpo+opd and opd (the rule's numbers are still logged). The whole state is saved in
+    every checkpoint, so a resumed run decides exactly as an uninterrupted one.
+    """
+    teacher_success: Optional[float]  # S_T (> 0 for the adaptive rule)
+    mode: str = "adaptive"
+    window: int = 5
+    threshold: float = 0.0
+    rho: float = 0.9
+    retire_at: Optional[int] = None
+    eps: float = 1e-8
+    pending: list = field(default_factory=list)  # K of the block being filled
+    blocks: list = field(default_factory=list)  # [last iteration, mean K] of each full block
+    judged: int = 0  # blocks judged so far (FIFO)
+    previous_block: Optional[float] = None  # K_{m-1}
+    previous_success: Optional[float] = None  # S_{m-1}
+    retired: bool = False
+    retired_at: Optional[int] = None  # the first phase-2 iteration that runs without the teacher
+
+    def observe_gap(self, iteration: int, gap: float) -> dict:
+        """Buffer one iteration's K; returns {"gap_block": mean} when this iteration fills a block."""
+        self.pending.append(gap)
+        if len(self.pending) < self.window:
+            return {}
+        self.blocks.append([iteration, sum(self.pending) / self.window])
+        self.pending = []
+        return {"gap_block": self.blocks[-1][1]}
+
+    def observe_validation(self, iteration: int, success: float) -> dict:
+        """Judge the oldest unjudged full block, if any, with this validation's success."""
+        record = {"val_success": success, "progress": None, "competence": None, "criterion_valid": False}
+        if self.judged == len(self.blocks):
+            return record  # no full block since the last judgement: nothing to judge
+        block = self.blocks[self.judged][1]
+        record["judged_block"] = block
+        if self.previous_block is not None and self.teacher_success:
+            progress = alignment_progress(self.previous_block, block, self.eps)
+            competence_ratio = competence(success, self.previous_success, self.teacher_success)
+            record.update(progress=progress, competence=competence_ratio,
+                          criterion_valid=progress is not None)
+        self.previous_block, self.previous_success, self.judged = block, success, self.judged + 1
+        if self.mode == "adaptive" and not self.retired and should_retire(
+                record["progress"], record["competence"], self.threshold, self.rho):
+            self.retired, self.retired_at = True, iteration + 1  # the latch: never re-enabled
+        return record
+
+    def observe_schedule(self, iteration: int) -> None:
+        """--retire-at N: the teacher scores iterations 0..N-1."""
+        if self.mode == "fixed" and not self.retired and iteration + 1 >= self.retire_at:
+            self.retired, self.retired_at = True, iteration + 1
 
 # ==================================================================================================
 # 6. Rollout: B tasks x G episodes, played in lock-step
@@ -1425,7 +1507,7 @@ def autocast(device: torch.device):
 
 
 def encode_prompt(tokenizer, user_message: str) -> list:
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_message}]
+    messages = [{"role": "user", "content": user_message}]  # the template adds its default system turn
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -1441,7 +1523,7 @@ def episode_prompts(tokenizer, episode: Episode, cfg: Config, skills: str) -> tu
         episode.observation, False
     while True:
         student = encode_prompt(tokenizer, build_user_message(
-            episode.task, history, observation, episode.admissible))
+            cfg.env, episode.task, episode.turns, history, observation, episode.admissible))
         if len(student) <= cfg.max_prompt_tokens:
             break
         truncated = True
@@ -1452,7 +1534,8 @@ def episode_prompts(tokenizer, episode: Episode, cfg: Config, skills: str) -> tu
         else:
             break  # the admissible list alone is too long: keep it, the budget is advisory here
     teacher = encode_prompt(tokenizer, build_user_message(
-        episode.task, history, observation, episode.admissible, skills)) if skills else student
+        cfg.env, episode.task, episode.turns, history, observation, episode.admissible, skills)) \
+        if skills else student
     return student, teacher, truncated
 
 
@@ -1662,13 +1745,19 @@ def score_samples(model, samples: list, cfg: Config, use_teacher_prompt: bool = 
     return out
 
 
-def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: list, cfg: Config,
-               ref_logp: Optional[list] = None, rng: Optional[random.Random] = None) -> dict:
-    """PPO-clip epochs over the turn-samples: mini-batches -> token-budget micro-batches -> step.
+def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Optional[list], cfg: Config, *,
+               mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
+               teacher_logp: Optional[list] = None, opd_coef: float = 0.0,
+               rng: Optional[random.Random] = None) -> dict:
+    """One epoch (cfg.ppo_epochs) over the turn-samples: mini-batches -> token-budget micro-batches.
 
-    advantages[i] is the per-token Â of sample i (shape (len(response_i),)). Each optimizer step
-    uses one mini-batch; its loss is the token-mean over the whole mini-batch, accumulated over
-    micro-batches. A non-finite loss or gradient skips that step (counted, never applied).
+        L = L_PPO(advantages) + kl_coef KL_ref - entropy_coef H  +  opd_coef L_OPD(teacher_logp)
+
+    advantages[i]: the per-token advantage of sample i (shape (len(response_i),)), or None for
+    pure OPD, which trains on opd_coef * L_OPD alone. teacher_logp: the teacher's log-probs of
+    the same tokens (None: no OPD term). Each optimizer step uses one mini-batch; its loss is the
+    token-mean over the whole mini-batch, accumulated over micro-batches. A non-finite loss or
+    gradient skips that step (counted, never applied).
     """
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
@@ -1677,11 +1766,12 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: list
     steps = skipped = 0
     trained_tokens = padded_tokens = 0
     grad_norms = []
+    with_entropy = advantages is not None and cfg.entropy_coef > 0
     for _epoch in range(cfg.ppo_epochs):
         order = list(range(len(samples)))
         rng.shuffle(order)
-        for start in range(0, len(order), cfg.mini_batch):
-            mini = order[start:start + cfg.mini_batch]
+        for start in range(0, len(order), mini_batch):
+            mini = order[start:start + mini_batch]
             num_tokens = sum(len(samples[i].response_ids) for i in mini)
             lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mini]
             optimizer.zero_grad(set_to_none=True)
@@ -1692,13 +1782,20 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: list
                 trained_tokens += sum(lengths[j] for j in micro)
                 scored = response_logprobs(
                     model, [samples[i].prompt_ids for i in idx], [samples[i].response_ids for i in idx],
-                    cfg, with_entropy=cfg.entropy_coef > 0)
-                logp, entropy = scored if cfg.entropy_coef > 0 else (scored, None)
+                    cfg, with_entropy=with_entropy)
+                logp, entropy = scored if with_entropy else (scored, None)
                 cat = lambda tensors: torch.cat([tensors[i] for i in idx]).to(device)  # noqa: E731
-                loss, stats = policy_loss(
-                    logp, cat(old_logp), cat(advantages), torch.ones_like(logp), cfg.clip_eps,
-                    ref_logp=cat(ref_logp) if ref_logp is not None else None, kl_coef=cfg.kl_coef,
-                    entropy=entropy, entropy_coef=cfg.entropy_coef, num_tokens=num_tokens)
+                mask = torch.ones_like(logp)
+                loss, stats = logp.new_zeros(()), {}
+                if advantages is not None:
+                    loss, stats = policy_loss(
+                        logp, cat(old_logp), cat(advantages), mask, cfg.clip_eps, cfg.dual_clip,
+                        ref_logp=cat(ref_logp) if ref_logp is not None else None, kl_coef=kl_coef,
+                        entropy=entropy, entropy_coef=cfg.entropy_coef, num_tokens=num_tokens)
+                if teacher_logp is not None and opd_coef > 0:
+                    distill, distill_stats = opd_loss(logp, cat(old_logp), cat(teacher_logp), mask, num_tokens)
+                    loss = loss + opd_coef * distill
+                    stats.update(distill_stats)
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -1804,10 +1901,10 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def evaluate(model, tokenizer, suite: TaskSuite, cfg: Config, skills: bool, desc: str) -> dict:
-    """Success on the fixed panel at the evaluation temperature, per task type and overall.
+def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skills: bool, desc: str) -> dict:
+    """Success on a fixed panel (`tasks`) at the evaluation temperature, per task type and overall.
 
-    The panel never changes between runs (sorted games / the fixed validation goals); episodes
+    The panels never change between runs (sorted games / the fixed validation goals); episodes
     are played in lock-step batches of B*G with a fixed sampling seed (recorded), drawn from a
     forked RNG so that evaluating does not change the training run's random stream.
     """
@@ -1816,12 +1913,12 @@ def evaluate(model, tokenizer, suite: TaskSuite, cfg: Config, skills: bool, desc
     records = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + 12345)
-        for start in range(0, len(suite.panel), chunk):
-            tasks = suite.panel[start:start + chunk]
-            _, episodes, _ = rollout(model, tokenizer, suite, tasks, cfg, group_size=1,
+        for start in range(0, len(tasks), chunk):
+            batch = tasks[start:start + chunk]
+            _, episodes, _ = rollout(model, tokenizer, suite, batch, cfg, group_size=1,
                                      policy_skills=skills, teacher_skills=False,
                                      temperature=cfg.eval_temperature, desc=desc)
-            records += [(e.task_type or suite.task_type(task), e.won) for e, task in zip(episodes, tasks)]
+            records += [(e.task_type or suite.task_type(task), e.won) for e, task in zip(episodes, batch)]
     return {**success_by_task_type(records), "skills": skills, "seed": cfg.seed + 12345,
             "temperature": cfg.eval_temperature}
 
@@ -1841,28 +1938,51 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def phase_protocol(cfg: Config, with_teacher: bool) -> tuple[int, float]:
+    """(turn-samples per optimizer step, KL-to-reference coefficient) of a phase, as the authors run
+    them: phase 1 and --algo grpo 256 / 64 with KL 0.01; phase 2 with a teacher 128, no KL."""
+    return (cfg.opd_mini_batch, cfg.opd_kl_coef) if with_teacher else (cfg.mini_batch, cfg.kl_coef)
+
+
+def validation_due(cfg: Config, iteration: int) -> bool:
+    """Every eval_every iterations (1-based: 5, 10, ...), and at the phase's last iteration."""
+    return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == cfg.iterations
+
+
+def retirement_message(iteration: int, retirement: Retirement, record: dict) -> str:
+    if retirement.mode == "fixed":
+        return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
+    return (f"[retireopd] teacher retired after iteration {iteration}: the gap K stopped shrinking "
+            f"(block mean {record['judged_block']:.4g}, progress {record['progress']:+.3f} <= "
+            f"{retirement.threshold}) and the student is competent (validation successes "
+            f"{record['val_success']:.2f} and before, {record['competence']:.2f} x S_T >= {retirement.rho}); "
+            f"GRPO alone from iteration {retirement.retired_at}")
+
+
 def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run, *,
-                policy_skills: bool, frozen: dict, retirement: Optional[Retirement] = None,
-                opd_only: bool = False, resume: Optional[dict] = None) -> list:
-    """One phase of training. Returns the per-iteration training success rates.
+                policy_skills: bool, frozen: dict, grpo_loss: bool = True,
+                retirement: Optional[Retirement] = None, resume: Optional[dict] = None) -> list:
+    """One phase of training. Returns the validation success rates of its validations.
 
     phase "teacher": Skill-GRPO (policy_skills=True, no teacher).
-    phase "student": GRPO (no teacher), GRPO + OPD (frozen["teacher"] set), pure OPD (opd_only),
-    with the retirement check after every iteration when `retirement` is given.
-    frozen: {"teacher": model or None, "reference": model or None}. The teacher is popped from
-    this dict at retirement, so that (with the caller holding no other reference) it is freed.
-    resume: a checkpoint's trainer state; training continues after its iteration.
+    phase "student": GRPO (no teacher), GRPO + OPD (frozen["teacher"] set), pure OPD
+    (grpo_loss=False), with the retirement rule fed at every iteration and validation when
+    `retirement` is given. frozen: {"teacher": model or None, "reference": model or None}. The
+    teacher is popped from this dict at retirement, so that (with the caller holding no other
+    reference) it is freed. resume: a checkpoint's trainer state; training continues after its
+    iteration.
     """
     device = next(policy.parameters()).device
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
-    successes, first = [], 0
+    mini_batch, kl_coef = phase_protocol(cfg, with_teacher=frozen.get("teacher") is not None)
+    val_successes, first = [], 0
     torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase))  # sampling: a fixed stream per phase
     if resume is not None:
         optimizer.load_state_dict(resume.pop("optimizer"))  # pop: no second copy of the moments
         rng.setstate(resume["python_rng"])
         set_rng_state(resume["rng"], device)
-        successes, first = list(resume["successes"]), resume["iteration"] + 1
+        val_successes, first = list(resume["val_successes"]), resume["iteration"] + 1
     bar = tqdm(range(first, cfg.iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True,
                initial=first, total=cfg.iterations)
     for iteration in bar:
@@ -1878,68 +1998,67 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         record: dict = {"phase": phase, "iteration": iteration, **roll}
         if not samples:
             raise RuntimeError("no turn-samples were produced: every episode failed at reset")
-        # --- scores and GRPO advantages (one value per turn-sample) --------------------------
-        scores = torch.tensor([s.score for s in samples])
-        group_adv = grpo_advantages(scores, torch.tensor([s.group for s in samples]))
+        # --- GRPO advantages: one per turn-sample, repeated over its tokens ---------------------
+        advantages = None
+        if grpo_loss:
+            group_adv = grpo_advantages(torch.tensor([s.score for s in samples]),
+                                        torch.tensor([s.group for s in samples]))
+            advantages = [torch.full((len(s.response_ids),), float(a)) for s, a in zip(samples, group_adv)]
         # --- log-probs: old policy (rollout model), teacher on s_t^T, reference ---------------
         t0 = time.perf_counter()
         old_logp = score_samples(policy, samples, cfg)
         record["t_old_logp"] = time.perf_counter() - t0
-        advantages = [torch.full((len(s.response_ids),), 0.0 if opd_only else float(a))
-                      for s, a in zip(samples, group_adv)]
+        teacher_logp = None
         if teacher_active:
             t0 = time.perf_counter()
             teacher_logp = score_samples(teacher, samples, cfg, use_teacher_prompt=True)
             record["t_teacher"] = time.perf_counter() - t0
-            flat_old, flat_teacher = torch.cat(old_logp), torch.cat(teacher_logp)
-            _, discrepancy = teacher_student_kl(flat_old, flat_teacher, torch.ones_like(flat_old))
-            record["discrepancy"] = float(discrepancy)
-            opd = [opd_advantage(o, t) for o, t in zip(old_logp, teacher_logp)]
-            advantages = [a + cfg.opd_coef * o for a, o in zip(advantages, opd)]
-            record["opd_adv_mean"] = float(torch.cat(opd).mean())
+            flat_old = torch.cat(old_logp)
+            record["gap"], record["gap_k3"] = teacher_student_gap(flat_old, torch.cat(teacher_logp),
+                                                                  torch.ones_like(flat_old))
+            if retirement is not None:
+                record.update(retirement.observe_gap(iteration, record["gap"]))
         ref_logp, reference = None, frozen.get("reference")
-        if reference is not None and cfg.kl_coef > 0:
+        if reference is not None and kl_coef > 0:
             t0 = time.perf_counter()
             ref_logp = score_samples(reference, samples, cfg)
             record["t_reference"] = time.perf_counter() - t0
-        # --- PPO-clip update --------------------------------------------------------------------
+        # --- the update: L_PPO (+ KL - entropy) + lambda L_OPD -----------------------------------
+        record["opd_coef"] = cfg.opd_coef if teacher_active else 0.0
         t0 = time.perf_counter()
-        update = ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, ref_logp, rng)
+        update = ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, mini_batch=mini_batch,
+                            kl_coef=kl_coef, ref_logp=ref_logp, teacher_logp=teacher_logp,
+                            opd_coef=record["opd_coef"], rng=rng)
         record["t_update"] = time.perf_counter() - t0
         record.update(update)
         record["train_tokens_per_s"] = update["trained_tokens"] / max(record["t_update"], 1e-9)
-        successes.append(roll["success"])
-        # --- the retirement check, logged whether or not it fires --------------------------------
-        retired_now = False
-        if retirement is not None and not teacher_active:
-            record["retired"] = retirement.retired
-        elif retirement is not None:
-            record.update(retirement.update(iteration, record["discrepancy"], roll["success"]))
-            retired_now = record["retire_now"]
-            if retired_now:
-                event = {"event": "retirement", "retired_at": retirement.retired_at,
-                         "decided_after_iteration": iteration, "rule": "fixed" if
-                         retirement.retire_at is not None else "adaptive",
-                         **{k: record[k] for k in ("discrepancy", "discrepancy_ema", "plateaued",
-                                                   "student_success_window", "rho_teacher_success")}}
-                run.log("events.jsonl", event)
-                tqdm.write(f"[retireopd] teacher retired after iteration {iteration}: D's EMA "
-                           f"{event['discrepancy_ema']:.4g} has plateaued and the student's success "
-                           f"{event['student_success_window']:.2f} >= rho * S_T = "
-                           f"{event['rho_teacher_success']:.2f}; GRPO alone from iteration "
-                           f"{retirement.retired_at}" if event["rule"] == "adaptive" else
-                           f"[retireopd] teacher retired on schedule: GRPO alone from iteration "
-                           f"{retirement.retired_at}")
-                frozen.pop("teacher")  # the teacher leaves memory for good
-                del teacher
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+        # --- validation on the fixed panel; it feeds S_T (phase 1) and the retirement rule -------
+        if validation_due(cfg, iteration):
+            result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=policy_skills,
+                              desc=f"{phase} validation")
+            run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation", **result})
+            val_successes.append(result["overall"])
+            record["val_success"] = result["overall"]
+            if retirement is not None and teacher_active:
+                record.update(retirement.observe_validation(iteration, result["overall"]))
+        if retirement is not None and teacher_active:
+            retirement.observe_schedule(iteration)
+        retired_now = retirement is not None and teacher_active and retirement.retired
+        if retired_now:  # from the next iteration on: no OPD term, no teacher forward
+            run.log("events.jsonl", {"event": "retirement", "rule": retirement.mode, "retired_at": retirement.retired_at,
+                                     "decided_after_iteration": iteration,
+                                     **{k: record.get(k) for k in ("judged_block", "progress", "competence",
+                                                                   "val_success", "criterion_valid")}})
+            tqdm.write(retirement_message(iteration, retirement, record))
+            frozen.pop("teacher")  # the teacher leaves memory for good
+            del teacher
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         record["teacher_active"] = teacher_active
-        if cfg.eval_every and (iteration + 1) % cfg.eval_every == 0 and iteration + 1 < cfg.iterations:
-            result = evaluate(policy, tokenizer, suite, cfg, skills=policy_skills, desc=f"{phase} eval")
-            run.log("eval.jsonl", {"phase": phase, "iteration": iteration, **result})
-            record["eval_success"] = result["overall"]
+        record["retired"] = bool(retirement is not None and retirement.retired)
+        if retirement is not None:
+            record["teacher_success"] = retirement.teacher_success
         record["t_iteration"] = time.perf_counter() - t_start
         record["peak_mem_gb"] = peak_memory_gb(device)
         run.log("metrics.jsonl", record)
@@ -1947,20 +2066,23 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         if last or retired_now or (cfg.save_every and (iteration + 1) % cfg.save_every == 0):
             run.checkpoint(policy, tokenizer, {
                 "phase": phase, "iteration": iteration, "optimizer": optimizer.state_dict(),
-                "python_rng": rng.getstate(), "rng": rng_state(device), "successes": successes,
+                "python_rng": rng.getstate(), "rng": rng_state(device), "val_successes": val_successes,
                 "retirement": dataclasses.asdict(retirement) if retirement else None})
         postfix = {"success": f"{roll['success']:.2f}"}
-        if "discrepancy" in record:
-            postfix["D"] = f"{record['discrepancy']:.4f}"
+        if "gap" in record:
+            postfix["K"] = f"{record['gap']:.4f}"
+        if val_successes:
+            postfix["val"] = f"{val_successes[-1]:.2f}"
         if retirement is not None:
             postfix["retired"] = retirement.retired
         bar.set_postfix(postfix)
-    return successes
+    return val_successes
 
 
 def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
-    """One PNG: training success (teacher phase 1, student phase 2), rho * S_T, evaluation
-    success, the discrepancy D and its EMA, and the retirement iteration, for one or more runs.
+    """One PNG for one or more runs. Top: success (thin lines: training episodes; dots: the
+    validation panel), the competence bar rho * S_T, the retirement. Bottom: the gap K per
+    phase-2 iteration, its block means (what the rule compares) and the k3 diagnostic.
 
     matplotlib is optional: without it we say how to get the plot and return None.
     """
@@ -1975,9 +2097,10 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
     if missing:
         raise SystemExit(f"retireopd: no metrics.jsonl in {', '.join(missing)}: not a run folder")
     fig, (ax_success, ax_gap) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
-    config = json.loads((Path(run_dirs[0]) / "config.json").read_text())
-    fig.suptitle(f"{config['algo']} on {config['env']} with {config['model']}" if len(run_dirs) == 1
-                 else f"{len(run_dirs)} runs on {config['env']}", fontsize=10)
+    configs = [json.loads((Path(d) / "config.json").read_text()) for d in run_dirs]
+    envs = sorted({c["env"] for c in configs})
+    fig.suptitle(f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
+                 else f"{len(run_dirs)} runs on {' and '.join(envs)}", fontsize=10)
     for n, run_dir in enumerate(map(Path, run_dirs)):
         color = f"C{n}"
         label = run_dir.name if len(run_dirs) > 1 else "student"
@@ -1985,37 +2108,44 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
         teacher = [m for m in metrics if m["phase"] == "teacher"]
         student = [m for m in metrics if m["phase"] == "student"]
         offset = len(teacher)  # phase 2 is drawn after phase 1 on one iteration axis
-        if teacher and n == 0:
-            ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray",
-                            label="teacher (phase 1, with skills)")
+        if teacher:
+            ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray", alpha=0.35, linewidth=1)
+            val = [m for m in teacher if "val_success" in m]
+            ax_success.plot([m["iteration"] for m in val], [m["val_success"] for m in val], "o-", color="gray",
+                            markersize=4, label="teacher, with skills (phase 1)" if n == 0 else None)
             for ax in (ax_success, ax_gap):
                 ax.axvline(offset - 0.5, color="black", linewidth=0.8, alpha=0.3)
-            ax_success.annotate("phase 2", (offset - 0.5, 1.0), xytext=(3, -12), textcoords="offset points",
-                                fontsize=8, alpha=0.6)
         ax_success.plot([offset + m["iteration"] for m in student], [m["success"] for m in student],
-                        color=color, label=f"{label} (phase 2, no skills)")
-        rho_line = [m["rho_teacher_success"] for m in student if "rho_teacher_success" in m]
-        if rho_line and n == 0:
-            ax_success.axhline(rho_line[0], color="gray", linestyle=":", label="rho * S_T")
-        evals = [e for e in read_jsonl(run_dir / "eval.jsonl") if not e.get("skills") or e["phase"] == "teacher"]
-        ax_success.scatter([(0 if e["phase"] == "teacher" else offset) + e["iteration"] for e in evals],
-                           [e["overall"] for e in evals], marker="x", s=25,
-                           color=["gray" if e["phase"] == "teacher" else color for e in evals])
-        with_gap = [m for m in student if "discrepancy" in m and "discrepancy_ema" in m]
-        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["discrepancy"] for m in with_gap],
-                    color=color, alpha=0.4, label=f"{label}: D" if len(run_dirs) > 1 else "D (k3 token mean)")
-        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["discrepancy_ema"] for m in with_gap],
-                    color=color, label=f"{label}: EMA" if len(run_dirs) > 1 else "EMA of D")
+                        color=color, alpha=0.35, linewidth=1)
+        val = [m for m in student if "val_success" in m]
+        ax_success.plot([offset + m["iteration"] for m in val], [m["val_success"] for m in val], "o-",
+                        color=color, markersize=4, label=f"{label}, no skills (phase 2)")
+        bar = [m["teacher_success"] for m in student if m.get("teacher_success")]
+        if bar:
+            ax_success.axhline(configs[n]["rho"] * bar[0], color=color, linestyle=":", linewidth=1,
+                               label="competence bar rho * S_T" if n == 0 else None)
+        with_gap = [m for m in student if "gap" in m]
+        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap"] for m in with_gap], color=color,
+                    alpha=0.4, linewidth=1, label=f"{label}: K" if len(run_dirs) > 1 else "K per iteration")
+        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap_k3"] for m in with_gap], color=color,
+                    linestyle="--", alpha=0.4, linewidth=1, label=None if len(run_dirs) > 1 else "k3 diagnostic")
+        window = configs[n]["window"]
+        blocks = [m for m in with_gap if "gap_block" in m]
+        for k, m in enumerate(blocks):
+            ax_gap.hlines(m["gap_block"], offset + m["iteration"] - window + 0.5, offset + m["iteration"] + 0.5,
+                          color=color, linewidth=2.5,
+                          label=(f"{label}: block means" if len(run_dirs) > 1 else f"block means of K (W = {window})")
+                          if k == 0 else None)
         for event in read_jsonl(run_dir / "events.jsonl"):
             if event.get("event") == "retirement":
                 for ax in (ax_success, ax_gap):
-                    ax.axvline(offset + event["retired_at"], color=color, linestyle="--")
-                ax_gap.annotate("teacher retired", (offset + event["retired_at"], 0), color=color,
+                    ax.axvline(offset + event["retired_at"] - 0.5, color=color, linestyle="--")
+                ax_gap.annotate("teacher retired", (offset + event["retired_at"] - 0.5, 0), color=color,
                                 xycoords=("data", "axes fraction"), xytext=(3, 5), textcoords="offset points")
     ax_success.set_ylim(-0.03, 1.03)
-    ax_success.set_ylabel("success (lines: training,\n×: fixed-panel evaluation)")
+    ax_success.set_ylabel("success (thin: training,\ndots: validation panel)")
     ax_success.legend(fontsize=8)
-    ax_gap.set_ylabel("teacher-student discrepancy\n(phase 2, while the teacher is active)")
+    ax_gap.set_ylabel("teacher-student gap\n(phase 2, while the teacher scores)")
     ax_gap.set_xlabel("iteration (phase 1, then phase 2)")
     ax_gap.xaxis.get_major_locator().set_params(integer=True)
     ax_gap.legend(fontsize=8)
@@ -2095,7 +2225,8 @@ def resume_config(run_dir: str, given: dict) -> Config:
     if not saved_file.is_file():
         raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
     saved = json.loads(saved_file.read_text())
-    free = ("run_dir", "env_workers")  # how the run is executed, not what it computes
+    # how the run is executed, not what it computes; and S_T, for a run that stopped because it was 0
+    free = ("run_dir", "env_workers", "teacher_success")
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
                for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
@@ -2119,7 +2250,8 @@ def validate_config(cfg: Config) -> None:
         problems.append("--rho must be in (0, 1]")
     if cfg.window < 1:
         problems.append("--window must be >= 1")
-    for name in ("iterations", "batch_tasks", "max_turns", "max_response_tokens", "mini_batch", "token_budget"):
+    for name in ("iterations", "batch_tasks", "max_turns", "max_response_tokens", "mini_batch", "opd_mini_batch",
+                 "token_budget"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
@@ -2131,9 +2263,16 @@ def validate_config(cfg: Config) -> None:
                         "distribution at temperature 1 (use --eval-temperature for evaluation)")
     if cfg.retire_at is not None and cfg.retire_at > cfg.iterations:
         problems.append(f"--retire-at {cfg.retire_at} is after the last iteration ({cfg.iterations})")
-    for name in ("kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr", "plateau_tol"):
+    for name in ("kl_coef", "opd_kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr"):
         if getattr(cfg, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if cfg.dual_clip <= 1:
+        problems.append("--dual-clip must be > 1 (it caps the loss of a negative advantage at -c*A)")
+    if not 1 <= cfg.eval_every <= cfg.window:
+        problems.append(f"--eval-every {cfg.eval_every}: must be between 1 and --window ({cfg.window}), so "
+                        "that every block of W iterations is judged at a validation")
+    if cfg.teacher_success is not None and not 0 < cfg.teacher_success <= 1:
+        problems.append("--teacher-success must be in (0, 1]")
     if cfg.retire_at is not None and (cfg.algo != "retireopd" or cfg.retire_at < 1):
         problems.append("--retire-at N needs --algo retireopd and N >= 1")
     if cfg.teacher is not None and not (Path(cfg.teacher) / "retireopd.json").is_file():
@@ -2145,10 +2284,6 @@ def validate_config(cfg: Config) -> None:
             problems.append(f"--teacher {cfg.teacher} was trained on {stored_env}, this run is --env {cfg.env}")
     if cfg.webshop_reward not in ("faithful", "fixed"):
         problems.append("--webshop-reward: faithful or fixed")
-    if cfg.plateau_tol >= 1 - cfg.ema ** cfg.window:
-        print(f"[retireopd] note: with --ema {cfg.ema} the smoothed discrepancy can fall at most "
-              f"{1 - cfg.ema ** cfg.window:.0%} in {cfg.window} iterations, so --plateau-tol "
-              f"{cfg.plateau_tol} makes the plateau test always pass")
     if cfg.env_workers < 0:
         problems.append("--env-workers must be >= 0 (0: step ALFWorld in this process)")
     elif cfg.env_workers and cfg.env != "alfworld":
@@ -2215,7 +2350,7 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
     rng = random.Random(cfg.seed)
     words = ["go to cabinet", "open drawer", "take mug", "click[b0fsh00001]", "search[red shoes]"]
     prompts = [encode_prompt(tokenizer, build_user_message(
-        "put a clean mug in the coffeemachine", [], "You arrive at countertop 1. " * rng.randint(2, 20),
+        "alfworld", "put a clean mug in the coffeemachine", 0, [], "You arrive at countertop 1. " * rng.randint(2, 20),
         [f"{rng.choice(words)} {k}" for k in range(rng.randint(5, 40))]))
         for _ in range(cfg.batch_tasks * cfg.group_size)]
     n_new = cfg.max_response_tokens
@@ -2271,7 +2406,8 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
         model.eval()
         timed("ours_generate", lambda: sum(len(r) for r, _ in generate(model, tokenizer, prompts, n_new, 1.0)))
         timed("plain_generate", plain_generate)
-        timed("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg)["trained_tokens"])
+        timed("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg,
+                                                                  mini_batch=cfg.mini_batch)["trained_tokens"])
         timed("plain_update", plain_update)
         for name, fn in (("ours_logprob", lambda: score_samples(model, samples, cfg)),
                          ("plain_logprob", lambda: plain_logprobs(*plain_batch()))):
@@ -2361,8 +2497,9 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         print(f"[retireopd] resuming {run.dir} from checkpoint {checkpoint.name}" if checkpoint else
               f"[retireopd] {run.dir} has no checkpoint yet (the first is written after "
               f"{cfg.save_every or cfg.iterations} iterations): starting it over")
-    print(f"[retireopd] {cfg.algo} on {cfg.env} ({len(suite.train)} training tasks, panel of "
-          f"{len(suite.panel)}) with {cfg.model} on {device}; run folder {run.dir}")
+    print(f"[retireopd] {cfg.algo} on {cfg.env} ({len(suite.train)} training tasks, validation panel of "
+          f"{len(suite.validation_panel)}, report panel of {len(suite.report_panel)}) with {cfg.model} on "
+          f"{device}; run folder {run.dir}")
 
     def policy_from(phase: str):
         """The model to train: the base model, or the checkpoint's when resuming this phase."""
@@ -2372,59 +2509,72 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
             model.activation_checkpointing_enable()
         return model, tok, (state if resuming else None)
 
-    frozen: dict = {"teacher": None, "reference": None}
-    if cfg.kl_coef > 0:  # the reference is the base model, frozen; never loaded when its coefficient is 0
-        base, _ = load_policy(cfg.model, device, frozen_dtype, cfg.seed)
-        frozen["reference"] = base.requires_grad_(False).eval()
-        del base
-    needs_teacher = cfg.algo != "grpo"
+    def load_frozen(name: str):
+        """A frozen copy for scoring only: the teacher, or the base model as the KL reference."""
+        model, _ = load_policy(name, device, frozen_dtype, cfg.seed)
+        return model.requires_grad_(False).eval()
+
+    algorithm = ALGORITHMS[cfg.algo]
 
     # --- phase 1: Skill-GRPO teacher (or a saved one) ---------------------------------------------
     teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
-    teacher_success = None
-    if needs_teacher and not (teacher_dir / "retireopd.json").is_file():
+    if algorithm.teacher_phase and not (teacher_dir / "retireopd.json").is_file():
         policy, tokenizer, resume = policy_from("teacher")
-        print_memory_estimate(policy, cfg, device, run, "phase 1", n_frozen=int(cfg.kl_coef > 0),
+        _, kl_coef = phase_protocol(cfg, with_teacher=False)
+        frozen = {"teacher": None, "reference": load_frozen(cfg.model) if kl_coef > 0 else None}
+        print_memory_estimate(policy, cfg, device, run, "phase 1", n_frozen=int(kl_coef > 0),
                               skill_tokens=1024)
-        successes = train_phase("teacher", policy, tokenizer, suite, cfg, run, policy_skills=True,
-                                frozen={"reference": frozen["reference"]}, resume=resume)
-        teacher_success = sum(successes[-cfg.window:]) / len(successes[-cfg.window:])
-        result = evaluate(policy, tokenizer, suite, cfg, skills=True, desc="teacher eval (skills)")
-        run.log("eval.jsonl", {"phase": "teacher", "iteration": cfg.iterations - 1, **result})
-        if cfg.algo == "skill-grpo":  # the teacher without its skills, for the paper's comparison
-            result = evaluate(policy, tokenizer, suite, cfg, skills=False, desc="teacher eval (no skills)")
-            run.log("eval.jsonl", {"phase": "teacher", "iteration": cfg.iterations - 1, **result})
-        run.save_model(policy, tokenizer, "teacher", {"teacher_success": teacher_success,
-                                                     "window": cfg.window, "env": cfg.env})
-        del policy, resume
+        validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, policy_skills=True,
+                                  frozen=frozen, resume=resume)
+        teacher_success = sum(validations[-2:]) / len(validations[-2:])  # S_T: its last two validations
+        for skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo: both ways
+            result = evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=skills,
+                              desc=f"teacher report ({'skills' if skills else 'no skills'})")
+            run.log("eval.jsonl", {"phase": "teacher", "iteration": cfg.iterations - 1, "panel": "report", **result})
+        run.save_model(policy, tokenizer, "teacher", {"teacher_success": teacher_success, "env": cfg.env,
+                                                     "validations": validations[-2:]})
+        del policy, resume, frozen
         gc.collect()
         run.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
-    if needs_teacher and cfg.algo != "skill-grpo":
-        teacher_success = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
-        if teacher_success == 0 and cfg.algo == "retireopd" and cfg.retire_at is None:
-            print("[retireopd] note: the teacher never succeeded (S_T = 0), so the success condition "
-                  "of retirement is met trivially and only the plateau test decides")
+
+    # --- S_T: the teacher's validation success with skills ----------------------------------------
+    teacher_success = None
+    if algorithm.student_phase and algorithm.opd_loss:
+        stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
+        teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
+        print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
+              + (f" (--teacher-success; recorded {stored:.3f})" if cfg.teacher_success is not None else
+                 " (mean of its last two validations)"))
+        if teacher_success <= 0 and algorithm.retirement == "adaptive" and cfg.retire_at is None:
+            raise SystemExit(f"retireopd: S_T = 0 (the teacher in {teacher_dir} never won a validation task), "
+                             "so the competence test cannot be judged: set --teacher-success S, or retire on a "
+                             "fixed schedule with --retire-at N")
 
     # --- phase 2: the skill-free student ------------------------------------------------------------
-    if cfg.algo != "skill-grpo":
+    if algorithm.student_phase:
         policy, tokenizer, resume = policy_from("student")
-        retirement = Retirement(teacher_success or 0.0, cfg.window, cfg.plateau_tol, cfg.ema, cfg.rho,
-                                retire_at=cfg.retire_at, never=cfg.algo in ("opd", "grpo+opd"))
-        if resume is not None and resume["retirement"] is not None:
-            retirement = Retirement(**resume["retirement"])
+        retirement = None
+        if algorithm.opd_loss:
+            mode = "fixed" if cfg.retire_at is not None else (algorithm.retirement or "never")
+            retirement = Retirement(teacher_success, mode, cfg.window, cfg.alignment_threshold, cfg.rho,
+                                    cfg.retire_at)
+            if resume is not None and resume["retirement"] is not None:
+                retirement = Retirement(**resume["retirement"])
         state = None  # phase-1 optimizer moments, if any, are not kept through phase 2
-        if needs_teacher and not retirement.retired:
-            teacher, _ = load_policy(str(teacher_dir), device, frozen_dtype, cfg.seed)
-            frozen["teacher"] = teacher.requires_grad_(False).eval()
-            del teacher  # frozen holds the only reference: retirement frees it
+        frozen = {"teacher": None, "reference": None}
+        if retirement is not None and not retirement.retired:
+            frozen["teacher"] = load_frozen(str(teacher_dir))  # frozen holds the only reference
+        _, kl_coef = phase_protocol(cfg, with_teacher=algorithm.opd_loss)
+        if kl_coef > 0:  # the reference is the base model; never loaded when its coefficient is 0
+            frozen["reference"] = load_frozen(cfg.model)
         print_memory_estimate(policy, cfg, device, run, "phase 2",
                               n_frozen=sum(m is not None for m in frozen.values()))
         train_phase("student", policy, tokenizer, suite, cfg, run, policy_skills=False, frozen=frozen,
-                    retirement=retirement if needs_teacher else None, opd_only=cfg.algo == "opd",
-                    resume=resume)
-        result = evaluate(policy, tokenizer, suite, cfg, skills=False, desc="student eval")
-        run.log("eval.jsonl", {"phase": "student", "iteration": cfg.iterations - 1, **result})
-        run.save_model(policy, tokenizer, "student", {"algo": cfg.algo, "retired_at": retirement.retired_at})
+                    grpo_loss=algorithm.grpo_loss, retirement=retirement, resume=resume)
+        result = evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=False, desc="student report")
+        run.log("eval.jsonl", {"phase": "student", "iteration": cfg.iterations - 1, "panel": "report", **result})
+        run.save_model(policy, tokenizer, "student", {"algo": cfg.algo, "teacher_success": teacher_success,
+                                                     "retired_at": retirement.retired_at if retirement else None})
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
     plot = plot_runs([run.dir])

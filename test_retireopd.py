@@ -82,7 +82,7 @@ def test_token_logprobs_chunked_equals_naive_values_and_gradients():
 
 
 # ==================================================================================================
-# 3. Teacher-student discrepancy, OPD advantage
+# 3. The teacher-student gap K and the OPD loss
 # ==================================================================================================
 
 
@@ -100,111 +100,232 @@ def test_token_logprobs_of_a_bf16_head_are_fp32_sums_of_its_weights():
     rounded = torch.log_softmax(head(hidden).float(), -1)[torch.arange(9), tokens]  # bf16 logits
     assert not torch.allclose(logp, rounded, atol=1e-5)
 
-def test_k3_hand_computed_masked_and_zero_for_identical():
-    # d = l^S - l^T = [0, ln 2, -ln 2, 5]; k3 = e^-d - 1 + d
+def test_k3_and_the_gap_hand_computed_masked_and_zero_for_identical():
+    # d = l^old - l^T = [0, ln 2, -ln 2, 5]; k3 = e^-d - 1 + d
     #   = [0, 0.5 - 1 + 0.693147, 2 - 1 - 0.693147, (masked out)] = [0, 0.193147, 0.306853]
-    student = torch.tensor([0.0, math.log(2), -math.log(2), 5.0])
+    # K = mean(d) over the 3 unmasked tokens = (0 + ln 2 - ln 2) / 3 = 0 (signed: it can cancel)
+    old = torch.tensor([0.0, math.log(2), -math.log(2), 5.0])
     teacher = torch.zeros(4)
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    k3, mean = R.teacher_student_kl(student, teacher, mask)
-    assert torch.allclose(k3, torch.tensor([0.0, 0.193147, 0.306853, 0.0]), atol=1e-6)
-    assert math.isclose(float(mean), (0.193147 + 0.306853) / 3, abs_tol=1e-6)
+    assert torch.allclose(R.k3(old, teacher)[:3], torch.tensor([0.0, 0.193147, 0.306853]), atol=1e-6)
+    gap, gap_k3 = R.teacher_student_gap(old, teacher, mask)
+    assert gap == pytest.approx(0.0, abs=1e-7)
+    assert gap_k3 == pytest.approx((0.193147 + 0.306853) / 3, abs=1e-6)
+    # K = mean(l^old - l^T): [-1, -3] vs [-2, -2] -> (1 - 1) / 2 = 0; [-1] vs [-3] -> 2
+    assert R.teacher_student_gap(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.ones(1))[0] == 2.0
+    assert R.teacher_student_gap(torch.tensor([-3.0]), torch.tensor([-1.0]), torch.ones(1))[0] == -2.0
     same = torch.randn(50)
-    k3_same, mean_same = R.teacher_student_kl(same, same.clone(), torch.ones(50))
-    assert float(mean_same) == 0.0 and torch.all(k3_same == 0)
-    k3_random, _ = R.teacher_student_kl(torch.randn(1000) * 3, torch.randn(1000) * 3, torch.ones(1000))
-    assert torch.all(k3_random >= 0)
+    assert R.teacher_student_gap(same, same.clone(), torch.ones(50)) == (0.0, 0.0)
+    assert torch.all(R.k3(torch.randn(1000) * 3, torch.randn(1000) * 3) >= 0)
 
 
-def test_opd_advantage_is_teacher_minus_student_without_gradient():
-    student = torch.tensor([-1.0, -2.0], requires_grad=True)
-    teacher = torch.tensor([-0.5, -3.0])
-    adv = R.opd_advantage(student, teacher)
-    assert torch.equal(adv, torch.tensor([0.5, -1.0]))
-    assert not adv.requires_grad
-
-
-# ==================================================================================================
-# 4. PPO-clip policy loss
-# ==================================================================================================
-
-
-def test_policy_loss_clipping_hand_computed():
-    # ratios 1.5, 1.5, 0.5, 0.5, 1.1 with advantages +1, -1, +1, -1, +2, clip 0.2:
-    #   r=1.5, A=+1: -min(1.5, 1.2)   = -1.2  (clipped: no gradient)
-    #   r=1.5, A=-1: -min(-1.5, -1.2) =  1.5  (unclipped: gradient flows)
-    #   r=0.5, A=+1: -min(0.5, 0.8)   = -0.5  (unclipped)
-    #   r=0.5, A=-1: -min(-0.5, -0.8) =  0.8  (clipped)
-    #   r=1.1, A=+2: inside the range  = -2.2
-    ratios = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1])
-    old = torch.zeros(5)
-    logp = torch.log(ratios).requires_grad_(True)
-    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0])
-    loss, stats = R.policy_loss(logp, old, adv, torch.ones(5), clip=0.2)
-    assert math.isclose(float(loss.detach()), (-1.2 + 1.5 - 0.5 + 0.8 - 2.2) / 5, abs_tol=1e-6)
-    assert math.isclose(stats["clip_frac"], 2 / 5, abs_tol=1e-6)
+def test_opd_loss_value_and_gradient_equal_the_closed_forms():
+    # L = mean(rho * k3), rho = exp(l - l^old), k3 = exp(l^T - l) - 1 + l - l^T;
+    # dL/dl_k = rho_k (l_k - l^T_k) / N
+    torch.manual_seed(0)
+    logp = (-torch.rand(40) * 3).requires_grad_(True)
+    old, teacher = -torch.rand(40) * 3, -torch.rand(40) * 3
+    mask = (torch.rand(40) > 0.2).float()
+    loss, stats = R.opd_loss(logp, old, teacher, mask)
+    rho = torch.exp(logp.detach() - old)
+    expected = (rho * (torch.exp(teacher - logp.detach()) - 1 + logp.detach() - teacher) * mask).sum() / mask.sum()
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-6) and stats["opd_loss"] == pytest.approx(float(expected))
     (grad,) = torch.autograd.grad(loss, logp)
-    # d/dlogp of -r A / 5 = -r A / 5 on unclipped tokens, 0 on clipped ones
-    assert torch.allclose(grad, torch.tensor([0.0, 1.5 / 5, -0.5 / 5, 0.0, -2.2 / 5]), atol=1e-6)
+    assert torch.allclose(grad, rho * (logp.detach() - teacher) * mask / mask.sum(), atol=1e-6)
+    # num_tokens: micro-batch losses add up to the mini-batch's token mean
+    half, _ = R.opd_loss(logp[:20], old[:20], teacher[:20], mask[:20], num_tokens=mask.sum())
+    rest, _ = R.opd_loss(logp[20:], old[20:], teacher[20:], mask[20:], num_tokens=mask.sum())
+    assert float((half + rest).detach()) == pytest.approx(float(loss.detach()), rel=1e-6)
 
 
-def test_policy_loss_reference_kl_entropy_and_token_mean_over_minibatch():
-    logp = torch.tensor([math.log(0.5), math.log(0.25)])
-    ref = torch.tensor([math.log(0.25), math.log(0.25)])
-    entropy = torch.tensor([1.0, 3.0])
-    mask = torch.tensor([1.0, 1.0])
-    # ratio 1 everywhere, advantages 0 -> the surrogate is 0. k3(logp, ref): d = [ln 2, 0] ->
+def test_opd_loss_clamps_at_10_and_20():
+    # l - l^old = 12 > 10: rho = e^10, and no gradient through rho (the clamp binds)
+    logp = torch.tensor([0.0], requires_grad=True)
+    loss, _ = R.opd_loss(logp, torch.tensor([-12.0]), torch.tensor([-1.0]), torch.ones(1))
+    k3 = math.exp(-1.0) - 1 + 1.0
+    assert float(loss) == pytest.approx(math.exp(10) * k3, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # d/dl [e^10 (e^(l^T - l) - 1 + l - l^T)] = e^10 (1 - e^(l^T - l)) = e^10 (1 - e^-1)
+    assert float(grad) == pytest.approx(math.exp(10) * (1 - math.exp(-1.0)), rel=1e-5)
+    # l^T - l = 25 > 20: the exponential is e^20, constant; the gradient is rho * (k3 + 1) = e^20 - 25 + 1
+    logp = torch.tensor([-25.0], requires_grad=True)
+    loss, _ = R.opd_loss(logp, torch.tensor([-25.0]), torch.tensor([0.0]), torch.ones(1))
+    assert float(loss) == pytest.approx(math.exp(20) - 1 - 25, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert float(grad) == pytest.approx(math.exp(20) - 1 - 25 + 1, rel=1e-5)
+
+
+# ==================================================================================================
+# 4. PPO-clip policy loss with the dual clip
+# ==================================================================================================
+
+
+def test_policy_loss_clipping_and_dual_clip_hand_computed():
+    # ratios r and advantages A, clip 0.2, dual clip c = 3; per token L = max(-rA, -clip(r)A),
+    # and where A < 0 also min(L, -cA):
+    #   r=1.5, A=+1: max(-1.5, -1.2) = -1.2  (clipped: no gradient)
+    #   r=1.5, A=-1: max( 1.5,  1.2) =  1.5  (unclipped: gradient -A r = 1.5)
+    #   r=0.5, A=+1: max(-0.5, -0.8) = -0.5  (unclipped: gradient -0.5)
+    #   r=0.5, A=-1: max( 0.5,  0.8) =  0.8  (clipped)
+    #   r=1.1, A=+2: inside the range = -2.2 (gradient -2.2)
+    #   r=5.0, A=-1: max(5, 1.2) = 5 > cap -cA = 3 -> 3 (dual clip: no gradient)
+    #   r=5.0, A=+1: max(-5, -1.2) = -1.2 (clipped; the dual clip applies to A < 0 only)
+    #   r=2.5, A=-2: max(5, 2.4) = 5 < cap 6 -> 5 (gradient -A r = 5)
+    ratios = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1, 5.0, 5.0, 2.5])
+    logp = torch.log(ratios).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0, -1.0, 1.0, -2.0])
+    loss, stats = R.policy_loss(logp, torch.zeros(8), adv, torch.ones(8), clip=0.2, dual_clip=3.0)
+    per_token = [-1.2, 1.5, -0.5, 0.8, -2.2, 3.0, -1.2, 5.0]
+    assert float(loss.detach()) == pytest.approx(sum(per_token) / 8, abs=1e-6)
+    assert stats["pg_loss"] == pytest.approx(sum(per_token) / 8, abs=1e-6)
+    # the clipped term is the larger on tokens 0, 3 and 6 -> 3/8; the dual clip binds on token 5 -> 1/8
+    assert stats["clip_frac"] == pytest.approx(3 / 8) and stats["dual_clip_frac"] == pytest.approx(1 / 8)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, torch.tensor([0.0, 1.5, -0.5, 0.0, -2.2, 0.0, 0.0, 5.0]) / 8, atol=1e-6)
+    # without the dual clip (c huge) token 5 costs 5 and passes its gradient
+    loss_plain, stats_plain = R.policy_loss(logp, torch.zeros(8), adv, torch.ones(8), clip=0.2, dual_clip=1e9)
+    assert float(loss_plain) == pytest.approx((sum(per_token) - 3.0 + 5.0) / 8, abs=1e-6)
+    assert stats_plain["dual_clip_frac"] == 0.0
+
+
+def test_policy_loss_masked_with_reference_kl_entropy_and_token_mean_over_minibatch():
+    logp = torch.tensor([math.log(0.5), math.log(0.25), 0.0])
+    ref = torch.tensor([math.log(0.25), math.log(0.25), -30.0])
+    entropy = torch.tensor([1.0, 3.0, 100.0])
+    mask = torch.tensor([1.0, 1.0, 0.0])  # the third token is padding: it must not count
+    # ratio 1 everywhere, advantages 0 -> the surrogate is 0. k3(logp, ref): ref - logp = [-ln 2, 0] ->
     # [0.5 - 1 + ln 2, 0] = [0.193147, 0]; loss = (0.01 * 0.193147 - 0.001 * (1 + 3)) / 4 tokens
-    loss, stats = R.policy_loss(logp, logp, torch.zeros(2), mask, ref_logp=ref, kl_coef=0.01,
+    loss, stats = R.policy_loss(logp, logp, torch.zeros(3), mask, ref_logp=ref, kl_coef=0.01,
                                 entropy=entropy, entropy_coef=0.001, num_tokens=4)
     assert math.isclose(float(loss), (0.01 * 0.193147 - 0.004) / 4, abs_tol=1e-7)
     assert math.isclose(stats["kl_ref"], 0.193147 / 4, abs_tol=1e-6)
     assert math.isclose(stats["entropy"], 1.0, abs_tol=1e-6)
-    loss0, stats0 = R.policy_loss(logp, logp, torch.zeros(2), mask, ref_logp=ref, kl_coef=0.0,
+    assert stats["approx_kl_old"] == 0.0 and stats["clip_frac"] == 0.0
+    # verl clamps the reference k3 at 10: ref far above logp gives e^30 unclamped
+    clamped, stats = R.policy_loss(torch.tensor([-30.0]), torch.tensor([-30.0]), torch.zeros(1), torch.ones(1),
+                                   ref_logp=torch.tensor([0.0]), kl_coef=1.0)
+    assert float(clamped) == 10.0 and stats["kl_ref"] == 10.0
+    loss0, stats0 = R.policy_loss(logp, logp, torch.zeros(3), mask, ref_logp=ref, kl_coef=0.0,
                                   entropy=entropy, entropy_coef=0.0)
     assert float(loss0) == 0.0 and "kl_ref" not in stats0 and "entropy" not in stats0
 
 
 # ==================================================================================================
-# 5. Plateau test and the retirement rule
+# 5. The retirement rule (the authors' state machine)
 # ==================================================================================================
 
 
-def test_discrepancy_ema_and_plateau():
-    # ema 0.5 on [1, .5, .25, .125]: m = [1, .75, .5, .3125]; W=2: (.75 - .3125)/.75 = .583 > tol
-    assert R.discrepancy_ema([1, 0.5, 0.25, 0.125], 0.5) == [1, 0.75, 0.5, 0.3125]
-    assert not R.discrepancy_plateaued([1, 0.5, 0.25, 0.125], window=2, tol=0.02, ema=0.5)
-    assert R.discrepancy_plateaued([0.3] * 11, window=10, tol=0.02, ema=0.9)  # flat: 0 <= tol
-    assert not R.discrepancy_plateaued([0.3] * 10, window=10, tol=0.02, ema=0.9)  # too short
-    # slowly falling: ema 0 (no smoothing), (1 - 0.99) / 1 = 0.01 <= 0.02 -> plateau
-    assert R.discrepancy_plateaued([1.0, 0.995, 0.99], window=2, tol=0.02, ema=0.0)
-    assert not R.discrepancy_plateaued([1.0, 0.995, 0.97], window=2, tol=0.02, ema=0.0)
+def test_rule_pieces_hand_computed():
+    assert R.alignment_progress(None, 0.5) is None  # no previous block: invalid
+    assert R.alignment_progress(1e-9, 0.5) is None  # |K_{m-1}| <= 1e-8: invalid
+    assert R.alignment_progress(-1e-9, 0.5) is None
+    assert R.alignment_progress(0.5, 0.4) == pytest.approx(0.2)  # shrank by 20%
+    assert R.alignment_progress(0.5, 0.6) == pytest.approx(-0.2)  # grew
+    assert R.alignment_progress(0.5, 0.5) == 0.0
+    assert R.competence(0.6, 0.4, 0.8) == pytest.approx(0.625)  # (0.6 + 0.4) / 1.6
+    assert R.should_retire(0.0, 0.9)  # both at the boundary: <= 0 and >= 0.9
+    assert not R.should_retire(1e-9, 1.0)  # the gap still shrinks a little
+    assert not R.should_retire(-0.5, 0.89)  # not competent
+    assert not R.should_retire(None, 1.0)  # invalid criterion
+    assert R.should_retire(0.05, 0.5, threshold=0.1, rho=0.5)
 
 
-def test_should_retire_truth_table():
-    assert R.should_retire(True, 0.9, 1.0, rho=0.9)  # 0.9 >= 0.9 * 1.0
-    assert not R.should_retire(True, 0.89, 1.0, rho=0.9)
-    assert not R.should_retire(False, 1.0, 0.5, rho=0.9)
-    assert not R.should_retire(False, 0.0, 1.0, rho=0.9)
-    assert R.should_retire(True, 0.0, 0.0, rho=0.9)  # S_T = 0: only the plateau decides
+def drive(state, gaps, validations):
+    """Feed K per iteration and validation successes {iteration: S}; return the logged records."""
+    records = []
+    for iteration, gap in enumerate(gaps):
+        record = state.observe_gap(iteration, gap)
+        if iteration in validations:
+            record.update(state.observe_validation(iteration, validations[iteration]))
+        records.append(record)
+    return records
 
 
-def test_retirement_latch_fixed_schedule_and_never():
-    state = R.Retirement(teacher_success=0.5, window=2, tol=0.02, ema=0.0, rho=0.9)
-    logs = [state.update(k, d, s) for k, (d, s) in enumerate([(1.0, 0.0), (1.0, 0.5), (1.0, 0.5)])]
-    assert [log["retire_now"] for log in logs] == [False, False, True]
+def test_rule_rising_gap_with_competence_retires_at_the_second_judged_block():
+    # W = 2, validations every 2 iterations, S_T = 0.5:
+    #   block 0 = mean(1.0, 1.0) = 1.0, judged at it. 1: baseline only (no decision)
+    #   block 1 = mean(1.0, 1.4) = 1.2, judged at it. 3: progress (1.0 - 1.2)/1.0 = -0.2 <= 0,
+    #   competence (0.5 + 0.4) / (2 * 0.5) = 0.9 >= 0.9 -> retire; effective from iteration 4
+    state = R.Retirement(teacher_success=0.5, window=2)
+    records = drive(state, [1.0, 1.0, 1.0, 1.4], {1: 0.4, 3: 0.5})
+    assert records[1]["gap_block"] == 1.0 and records[3]["gap_block"] == pytest.approx(1.2)
+    assert records[1]["criterion_valid"] is False and records[1]["progress"] is None
+    assert records[3]["criterion_valid"] and records[3]["progress"] == pytest.approx(-0.2)
+    assert records[3]["competence"] == pytest.approx(0.9)
+    assert state.retired and state.retired_at == 4
+    # the latch: the gap collapses and success falls, the teacher stays retired
+    later = drive(state, [0.1, 0.1], {1: 0.0})
+    assert state.retired and state.retired_at == 4 and later
+
+
+def test_rule_falling_gap_does_not_retire_and_competence_uses_the_last_two_validations():
+    state = R.Retirement(teacher_success=0.5, window=1)
+    # K: 1.0 (baseline), 0.8 (shrinks 20%), 0.8 (did not shrink) with S 0.9, 0.9, then 0.5, 0.4
+    records = drive(state, [1.0, 0.8, 0.8, 0.8], {0: 0.9, 1: 0.9, 2: 0.5, 3: 0.4})
+    assert records[1]["progress"] == pytest.approx(0.2)  # shrank: no retirement at it. 1
+    # it. 2: progress 0, competence (0.5 + 0.9)/1 = 1.4 -> retire (the previous validation is it. 1's)
+    assert records[2]["progress"] == 0.0 and records[2]["competence"] == pytest.approx(1.4)
     assert state.retired and state.retired_at == 3
-    later = state.update(3, 5.0, 0.0)  # discrepancy jumps, success collapses: still retired
-    assert later["retired"] and not later["retire_now"] and state.retired_at == 3
-    fixed = R.Retirement(teacher_success=1.0, retire_at=2)
-    assert [fixed.update(k, 1.0 / (k + 1), 0.0)["retire_now"] for k in range(4)] == [False, True, False, False]
+    strict = R.Retirement(teacher_success=0.5, window=1)
+    records = drive(strict, [1.0, 0.9, 0.8, 0.7], {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+    assert all(r["progress"] > 0 for r in records[1:]) and not strict.retired  # always shrinking
+    # competence from exactly the last two: S = 0.0, 0.0, 0.9, 0.0 -> at it. 3: (0.0 + 0.9)/1 = 0.9
+    two = R.Retirement(teacher_success=0.5, window=1)
+    records = drive(two, [1.0, 1.0, 1.0, 1.0], {0: 0.0, 1: 0.0, 2: 0.8, 3: 0.1})
+    assert [r["competence"] for r in records[1:]] == pytest.approx([0.0, 0.8, 0.9])
+    assert two.retired_at == 4
+
+
+def test_rule_near_zero_previous_block_is_invalid_and_only_full_blocks_are_judged_fifo():
+    state = R.Retirement(teacher_success=0.1, window=1)
+    records = drive(state, [0.0, 5.0, 5.0], {0: 1.0, 1: 1.0, 2: 1.0})
+    assert records[1]["criterion_valid"] is False  # K_{m-1} = 0: (0 - 5) / 0 is undefined
+    assert records[2]["criterion_valid"] and state.retired_at == 3
+    # W = 3, eval_every = 1: the validations at it. 0 and 1 find no full block; block 0 (it. 0-2)
+    # is judged at it. 2 (baseline), block 1 (it. 3-5) at it. 5
+    fifo = R.Retirement(teacher_success=0.5, window=3)
+    records = drive(fifo, [1, 1, 1, 2, 2, 2], {k: 0.5 for k in range(6)})
+    assert [r.get("judged_block") for r in records] == [None, None, 1.0, None, None, 2.0]
+    assert fifo.judged == 2 and fifo.retired_at == 6
+    # validations sparser than blocks (after a resume, say): the oldest unjudged block goes first
+    late = R.Retirement(teacher_success=0.5, window=1)
+    records = drive(late, [1.0, 2.0, 3.0], {2: 0.5})
+    assert records[2]["judged_block"] == 1.0 and late.judged == 1 and late.blocks[2][1] == 3.0
+
+
+def test_rule_fixed_schedule_never_mode_and_state_survives_a_checkpoint():
+    fixed = R.Retirement(teacher_success=None, mode="fixed", window=1, retire_at=2)
+    for k in range(4):
+        fixed.observe_gap(k, 1.0)
+        fixed.observe_validation(k, 1.0)  # no S_T: nothing judged, nothing adaptive
+        fixed.observe_schedule(k)
+        assert fixed.retired == (k >= 1)
     assert fixed.retired_at == 2
-    never = R.Retirement(teacher_success=0.0, window=1, never=True)
-    assert not any(never.update(k, 1.0, 1.0)["retired"] for k in range(4))
+    never = R.Retirement(teacher_success=0.5, mode="never", window=1)
+    records = drive(never, [1.0, 1.0, 1.0], {0: 1.0, 1: 1.0, 2: 1.0})
+    assert records[2]["criterion_valid"] and records[2]["progress"] == 0.0 and not never.retired
+    # halfway through, save (as a checkpoint does) and rebuild: the same decisions follow
+    gaps, vals = [1.0, 0.9, 1.1, 1.0, 1.2, 1.3], {1: 0.2, 3: 0.5, 5: 0.5}
+    whole = R.Retirement(teacher_success=0.5, window=2)
+    drive(whole, gaps, vals)
+    first = R.Retirement(teacher_success=0.5, window=2)
+    for k in range(3):
+        first.observe_gap(k, gaps[k])
+        if k in vals:
+            first.observe_validation(k, vals[k])
+    resumed = R.Retirement(**json.loads(json.dumps(R.dataclasses.asdict(first))))
+    for k in range(3, 6):
+        resumed.observe_gap(k, gaps[k])
+        if k in vals:
+            resumed.observe_validation(k, vals[k])
+    assert R.dataclasses.asdict(resumed) == R.dataclasses.asdict(whole)
+    # blocks 0.95, 1.05, 1.25. At it. 3: progress (0.95 - 1.05)/0.95 < 0 but competence
+    # (0.5 + 0.2)/1.0 = 0.7 < 0.9; at it. 5: 1.25 >= 1.05 and (0.5 + 0.5)/1.0 = 1.0 -> retired from it. 6
+    assert whole.retired_at == 6
 
 
 # ==================================================================================================
-# 6. Gradient truth: the OPD advantage lowers KL(student || teacher); the naive loss does not move
+# 6. Gradient truth: the OPD loss lowers KL(student || teacher); the naive loss does not move
 # ==================================================================================================
 
 
@@ -213,7 +334,7 @@ def exact_kl(student_logits, teacher_logp):
     return float((logp.exp() * (logp - teacher_logp)).sum().detach())
 
 
-def test_opd_update_lowers_exact_kl_on_a_toy_categorical_policy():
+def test_opd_loss_lowers_exact_kl_on_a_toy_categorical_policy():
     torch.manual_seed(0)
     teacher_logp = torch.log_softmax(torch.tensor([2.0, 0.0, -1.0, 1.0, -2.0]), -1)
     theta = torch.zeros(5, requires_grad=True)  # student: uniform
@@ -223,9 +344,7 @@ def test_opd_update_lowers_exact_kl_on_a_toy_categorical_policy():
         logp_all = torch.log_softmax(theta, -1)
         tokens = torch.multinomial(logp_all.exp().detach(), 256, replacement=True)  # on-policy
         logp = logp_all[tokens]
-        old = logp.detach()
-        adv = R.opd_advantage(old, teacher_logp[tokens])
-        loss, _ = R.policy_loss(logp, old, adv, torch.ones_like(logp))
+        loss, _ = R.opd_loss(logp, logp.detach(), teacher_logp[tokens], torch.ones_like(logp))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -233,15 +352,17 @@ def test_opd_update_lowers_exact_kl_on_a_toy_categorical_policy():
     assert kls[-1] < 0.2 * kls[0]
 
 
-def test_opd_expected_gradient_is_minus_kl_gradient_and_naive_is_zero():
-    # Exact expectations over the student's own distribution (no sampling noise):
-    #   E_pi[(l^T - l^S) grad l^theta] = -grad KL(pi || T);   E_pi[grad (l^theta - l^T)] = 0.
+def test_opd_expected_gradient_is_the_kl_gradient_and_naive_is_zero():
+    # Exact expectations over the student's own distribution (no sampling noise), at rho = 1:
+    #   E_pi[grad (rho k3)] = E_pi[(l^theta - l^T) grad l^theta] = grad KL(pi || T);
+    #   E_pi[grad (l^theta - l^T)] = 0.
     teacher_logp = torch.log_softmax(torch.tensor([1.0, -1.0, 0.5]), -1)
     theta = torch.tensor([0.3, -0.2, 0.0], requires_grad=True)
     logp = torch.log_softmax(theta, -1)
     weights = logp.exp().detach()  # probability of sampling each token
-    adv = R.opd_advantage(logp.detach(), teacher_logp)
-    (grad_opd,) = torch.autograd.grad(-(weights * adv * logp).sum(), theta, retain_graph=True)
+    per_token = [R.opd_loss(logp[v:v + 1], logp[v:v + 1].detach(), teacher_logp[v:v + 1], torch.ones(1))[0]
+                 for v in range(3)]
+    (grad_opd,) = torch.autograd.grad(sum(w * l for w, l in zip(weights, per_token)), theta, retain_graph=True)
     (grad_naive,) = torch.autograd.grad((weights * (logp - teacher_logp)).sum(), theta, retain_graph=True)
     (grad_kl,) = torch.autograd.grad((logp.exp() * (logp - teacher_logp)).sum(), theta)
     assert torch.allclose(grad_opd, grad_kl, atol=1e-6)
@@ -265,11 +386,17 @@ def test_parse_action_rules():
 
 
 def test_teacher_prompt_is_student_prompt_plus_skills_before_task():
-    student = R.build_user_message("put a mug in the fridge", [("obs0", "look")], "obs1", ["look", "go to fridge 1"])
+    student = R.build_user_message("alfworld", "put a mug in the fridge", 3, [("obs0", "look")], "obs1",
+                                   ["look", "go to fridge 1"])
     skills = R.skill_text("alfworld", "pick_cool_then_place_in_recep")
-    teacher = R.build_user_message("put a mug in the fridge", [("obs0", "look")], "obs1",
+    teacher = R.build_user_message("alfworld", "put a mug in the fridge", 3, [("obs0", "look")], "obs1",
                                    ["look", "go to fridge 1"], skills)
     assert teacher == skills + "\n\n" + student
+    # what the authors' prompts carry: the task, the steps taken, the last pairs, the observation,
+    # the admissible actions and the format
+    for part in ("Your task: put a mug in the fridge", "You have taken 3 step(s)", "Observation: obs0\nAction: look",
+                 "Current observation:\nobs1", "'go to fridge 1'", "<action> </action>"):
+        assert part in student, part
     assert "cool X with fridge 1" in skills and "Skills for this task" in skills
     assert R.skill_text("webshop", "fashion") != R.skill_text("webshop", "food")
     for task_type in R.ALFWORLD_TASK_TYPES:
@@ -299,7 +426,7 @@ def test_tiny_model_and_tokenizer(tiny):
     text = "<think>héllo 看</think><action>go to cabinet 1</action>"
     assert tok.decode(tok(text)["input_ids"]) == text  # byte-level: everything round-trips
     prompt = tok.decode(R.encode_prompt(tok, "hi"))
-    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # a lone user message
 
 
 def test_batched_logprobs_equal_each_sequence_alone(tiny):
@@ -362,7 +489,7 @@ class FakeSuite:
             return "ok", 10.0 * won, won, {"admissible": ["look"], "won": won}
 
     def __init__(self):
-        self.train, self.panel = [0], [0]
+        self.train, self.validation_panel, self.report_panel = [0], [0], [0]
 
     def task_type(self, task):
         return "pick_and_place_simple"
@@ -378,7 +505,6 @@ def test_teacher_scores_the_student_token_ids_and_empty_skills_give_zero_discrep
     samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
                               teacher_skills=True, temperature=1.0)
     sample = samples[0]
-    skills_ids = R.encode_prompt(tok, R.skill_text("alfworld", "pick_and_place_simple"))
     assert len(sample.teacher_prompt_ids) > len(sample.prompt_ids)
     assert tok.decode(sample.teacher_prompt_ids).count("Skills for this task") == 1
     assert "Skills for this task" not in tok.decode(sample.prompt_ids)
@@ -386,15 +512,13 @@ def test_teacher_scores_the_student_token_ids_and_empty_skills_give_zero_discrep
     teacher_logp = R.score_samples(model, samples, cfg, use_teacher_prompt=True)
     assert [len(t) for t in teacher_logp] == [len(s.response_ids) for s in samples]
     assert not torch.allclose(torch.cat(student_logp), torch.cat(teacher_logp))  # prompts differ
-    assert skills_ids  # (the skill block tokenises to something)
     # empty skill text, teacher = student: exactly zero discrepancy
     monkeypatch.setattr(R, "skill_text", lambda env, task_type: "")
     samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
                               teacher_skills=True, temperature=1.0)
     student_logp = torch.cat(R.score_samples(model, samples, cfg))
     teacher_logp = torch.cat(R.score_samples(model, samples, cfg, use_teacher_prompt=True))
-    _, discrepancy = R.teacher_student_kl(student_logp, teacher_logp, torch.ones_like(student_logp))
-    assert float(discrepancy) == 0.0
+    assert R.teacher_student_gap(student_logp, teacher_logp, torch.ones_like(student_logp)) == (0.0, 0.0)
 
 
 def test_environment_exceptions_end_the_episode_as_a_logged_failure(tiny):
@@ -444,8 +568,8 @@ def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
         copied = copy.deepcopy(model)
         optimizer = torch.optim.SGD(copied.parameters(), lr=0.0)  # measure, do not move
         out = R.ppo_update(copied, optimizer, samples, old, advantages,
-                           R.dataclasses.replace(cfg, token_budget=token_budget, mini_batch=len(samples),
-                                                 grad_clip=1e9), rng=random.Random(0))
+                           R.dataclasses.replace(cfg, token_budget=token_budget, grad_clip=1e9),
+                           mini_batch=len(samples), rng=random.Random(0))
         return out["loss"], out["grad_norm"]
 
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -471,8 +595,7 @@ def test_gpu_numerics_path_on_cpu_bf16_autocast_and_gradient_checkpointing(tiny,
     old = R.score_samples(model, samples, cfg)
     assert all(logp.dtype == torch.float32 for logp in old)
     frozen_logp = torch.cat(R.score_samples(frozen, samples, cfg))
-    _, discrepancy = R.teacher_student_kl(torch.cat(old), frozen_logp, torch.ones_like(frozen_logp))
-    assert float(discrepancy) == 0.0
+    assert R.teacher_student_gap(torch.cat(old), frozen_logp, torch.ones_like(frozen_logp)) == (0.0, 0.0)
 
     def gradients(checkpointing):
         copied = copy.deepcopy(model)
@@ -504,7 +627,7 @@ def test_gpu_numerics_path_on_cpu_bf16_autocast_and_gradient_checkpointing(tiny,
         copied.model.layers[0].mlp.register_forward_pre_hook(lambda *args: calls.append(1))
         out = R.ppo_update(copied, torch.optim.SGD(copied.parameters(), lr=0.0), samples, old,
                            [torch.randn(len(r), generator=torch.Generator().manual_seed(k)) for k, r in enumerate(responses)],
-                           R.dataclasses.replace(cfg, mini_batch=len(samples), grad_clip=1e9), rng=random.Random(0))
+                           R.dataclasses.replace(cfg, grad_clip=1e9), mini_batch=len(samples), rng=random.Random(0))
         return out["loss"], out["grad_norm"], len(calls)
 
     (loss_plain, norm_plain, calls_plain), (loss_ckpt, norm_ckpt, calls_ckpt) = update(False), update(True)
@@ -526,8 +649,10 @@ def test_make_micro_batches_respects_budget_and_sorts():
 # ==================================================================================================
 
 QUICK = ["--model", "tiny", "--iterations", "3", "--batch-tasks", "1", "--group-size", "2",
-         "--max-turns", "2", "--max-response-tokens", "6", "--eval-every", "2", "--eval-episodes", "2",
-         "--window", "1", "--plateau-tol", "10", "--save-every", "1"]
+         "--max-turns", "2", "--max-response-tokens", "6", "--eval-every", "1", "--eval-episodes", "2",
+         "--window", "1", "--save-every", "1", "--teacher-success", "0.5"]
+# The random tiny model never wins, so the teacher's S_T would be 0 and --algo retireopd would stop
+# before phase 2: --teacher-success 0.5 lets phase 2 run (and the rule never retires: competence 0).
 
 
 def run_cli(tmp_path, name, *flags):
@@ -553,32 +678,47 @@ def test_every_algo_runs_to_completion(tmp_path, algo, env):
     assert (run_dir / ("teacher" if algo == "skill-grpo" else "student") / "config.json").is_file()
     evals = R.read_jsonl(run_dir / "eval.jsonl")
     assert evals and all("overall" in e and e["seed"] == 12345 for e in evals)
-    if algo == "skill-grpo":  # the teacher is evaluated with and without its skills
-        assert {e["skills"] for e in evals if e["iteration"] == 2} == {True, False}
+    if algo == "skill-grpo":  # the teacher's report is with and without its skills
+        assert {e["skills"] for e in evals if e["panel"] == "report"} == {True, False}
+    assert [e["iteration"] for e in evals if e["panel"] == "validation"] == [0, 1, 2] * (len(expected) // 3)
     retirements = [e for e in events if e["event"] == "retirement"]
     students = [m for m in metrics if m["phase"] == "student"]
-    if algo in ("opd", "grpo+opd"):  # never retired: the teacher scores every iteration
-        assert not retirements and all(m["teacher_active"] and "discrepancy" in m for m in students)
+    if algo in ("opd", "grpo+opd", "retireopd"):  # not retired (competence 0): the teacher scores every iteration
+        assert not retirements and all(m["teacher_active"] and "gap" in m and m["opd_coef"] == 0.01 for m in students)
+        assert all(m["criterion_valid"] for m in students[1:])  # W = 1: judged from the second block on
+    if algo == "opd":  # pure distillation: no policy-gradient term at all
+        assert all("pg_loss" not in m and m["loss"] == pytest.approx(0.01 * m["opd_loss"]) for m in students)
     if algo == "grpo":
-        assert all(not m["teacher_active"] and "discrepancy" not in m for m in students)
+        assert all(not m["teacher_active"] and "gap" not in m and m["opd_coef"] == 0.0 for m in students)
     assert events[-1]["event"] == "done"
 
 
-def test_retireopd_retires_then_trains_with_grpo_alone(tmp_path):
+def test_retireopd_retires_by_the_rule_then_trains_with_grpo_alone(tmp_path, monkeypatch):
+    # The random tiny model never wins, so the rule's inputs are injected: a student validation
+    # success of 0.5 (= S_T: competence 1.0) and a gap that never shrinks (K = 1.0 each iteration).
+    real_evaluate, real_gap = R.evaluate, R.teacher_student_gap
+    monkeypatch.setattr(R, "evaluate", lambda model, tok, suite, tasks, cfg, skills, desc: {
+        **real_evaluate(model, tok, suite, tasks, cfg, skills, desc), **({} if skills else {"overall": 0.5})})
+    monkeypatch.setattr(R, "teacher_student_gap", lambda *a: (1.0, real_gap(*a)[1]))
+    teacher_calls, real_score = [], R.score_samples
+    monkeypatch.setattr(R, "score_samples", lambda model, samples, cfg, use_teacher_prompt=False: (
+        teacher_calls.append(use_teacher_prompt), real_score(model, samples, cfg, use_teacher_prompt))[1])
     run_dir, metrics, events = run_cli(tmp_path, "adaptive", "--env", "webshop", "--iterations", "4")
     (retirement,) = [e for e in events if e["event"] == "retirement"]
-    # window 1: the plateau test needs two discrepancies, so it can first fire after iteration 1
+    # W = 1: block 0 sets the baselines at iteration 0; iteration 1 judges block 1: progress 0, competence 1
     assert retirement["rule"] == "adaptive" and retirement["retired_at"] == 2
+    assert retirement["progress"] == 0.0 and retirement["competence"] == 1.0 and retirement["criterion_valid"]
     students = [m for m in metrics if m["phase"] == "student"]
     assert [m["teacher_active"] for m in students] == [True, True, False, False]
-    assert students[1]["retire_now"] and students[1]["plateaued"]
-    assert all(m["retired"] and "discrepancy" not in m and "t_teacher" not in m for m in students[2:])
+    assert [m["opd_coef"] for m in students] == [0.01, 0.01, 0.0, 0.0]
+    assert [m["retired"] for m in students] == [False, True, True, True]
+    assert all("gap" not in m and "t_teacher" not in m and "opd_loss" not in m for m in students[2:])
+    assert teacher_calls.count(True) == 2  # the teacher scored phase-2 iterations 0 and 1 only
     assert json.loads((run_dir / "student" / "retireopd.json").read_text())["retired_at"] == 2
 
 
 def test_retire_at_n_is_a_fixed_schedule(tmp_path):
-    _, metrics, events = run_cli(tmp_path, "fixed", "--env", "webshop", "--iterations", "4",
-                                 "--retire-at", "3", "--plateau-tol", "0")
+    _, metrics, events = run_cli(tmp_path, "fixed", "--env", "webshop", "--iterations", "4", "--retire-at", "3")
     (retirement,) = [e for e in events if e["event"] == "retirement"]
     assert retirement["rule"] == "fixed" and retirement["retired_at"] == 3
     students = [m for m in metrics if m["phase"] == "student"]
@@ -588,7 +728,9 @@ def test_retire_at_n_is_a_fixed_schedule(tmp_path):
 def test_saved_teacher_is_reused_and_models_load_by_folder(tmp_path):
     first, _, _ = run_cli(tmp_path, "first", "--algo", "skill-grpo", "--env", "webshop")
     stored = json.loads((first / "teacher" / "retireopd.json").read_text())
-    assert 0.0 <= stored["teacher_success"] <= 1.0
+    validations = [m["val_success"] for m in R.read_jsonl(first / "metrics.jsonl")]
+    assert stored["validations"] == validations[-2:] and stored["env"] == "webshop"
+    assert stored["teacher_success"] == sum(validations[-2:]) / 2
     second, metrics, events = run_cli(tmp_path, "second", "--algo", "grpo+opd", "--env", "webshop",
                                       "--teacher", str(first / "teacher"))
     assert phases(metrics) == [("student", k) for k in range(3)]  # phase 1 skipped
@@ -602,6 +744,9 @@ def test_saved_teacher_is_reused_and_models_load_by_folder(tmp_path):
 def test_bad_flags_fail_before_any_model_is_loaded(tmp_path):
     for flags, message in ((["--algo", "ppo"], "--algo"), (["--group-size", "1"], "--group-size"),
                            (["--rho", "1.5"], "--rho"), (["--window", "0"], "--window"),
+                           (["--eval-every", "0"], "--eval-every"), (["--eval-every", "6"], "--eval-every"),
+                           (["--dual-clip", "1"], "--dual-clip"), (["--teacher-success", "0"], "--teacher-success"),
+                           (["--opd-mini-batch", "0"], "--opd-mini-batch"), (["--opd-kl-coef", "-1"], "--opd-kl-coef"),
                            (["--kl-coef", "-1"], "--kl-coef"), (["--env", "atari"], "--env"),
                            (["--teacher", str(tmp_path)], "retireopd.json"),
                            (["--retire-at", "2", "--algo", "grpo"], "--retire-at"),
@@ -1084,7 +1229,7 @@ def comparable(metrics):
 def test_sigkill_in_phase_two_then_resume_loses_and_repeats_nothing(tmp_path):
     import subprocess
     import time as time_module
-    flags = QUICK + ["--env", "webshop", "--iterations", "4", "--plateau-tol", "0"]
+    flags = QUICK + ["--env", "webshop", "--iterations", "4"]
     reference = tmp_path / "uninterrupted"
     R.main(flags + ["--run-dir", str(reference)])
     killed = tmp_path / "killed"
@@ -1133,11 +1278,11 @@ def test_non_finite_loss_skips_the_optimizer_step(tiny):
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     poisoned = [torch.full((len(s.response_ids),), float("nan")) for s in samples]
-    out = R.ppo_update(model, optimizer, samples, old, poisoned, cfg)
+    out = R.ppo_update(model, optimizer, samples, old, poisoned, cfg, mini_batch=4)
     assert out["skipped_steps"] == 1 and out["optimizer_steps"] == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     healthy = [torch.ones(len(s.response_ids)) for s in samples]
-    out = R.ppo_update(model, optimizer, samples, old, healthy, cfg)
+    out = R.ppo_update(model, optimizer, samples, old, healthy, cfg, mini_batch=4)
     assert out["skipped_steps"] == 0 and out["optimizer_steps"] == 1 and "entropy" not in out
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -1147,7 +1292,7 @@ def test_tiny_tokenizer_saves_and_reloads_identically(tiny, tmp_path):
     tok.save_pretrained(tmp_path)
     model.config.save_pretrained(tmp_path)
     reloaded = R.transformers.AutoTokenizer.from_pretrained(tmp_path)
-    text = R.build_user_message("put 2 mugs in cabinet 10", [("x-large, $40.00", "go to cabinet 1")],
+    text = R.build_user_message("alfworld", "put 2 mugs in cabinet 10", 1, [("x-large, $40.00", "go to cabinet 1")],
                                 "You see a mug 1.", ["take mug 1 from cabinet 1"])
     assert R.encode_prompt(reloaded, text) == R.encode_prompt(tok, text)
     assert reloaded.eos_token_id == tok.eos_token_id and reloaded.pad_token_id == tok.pad_token_id
@@ -1206,23 +1351,10 @@ def test_benchmark_runs_and_writes_its_report(tmp_path):
 # that the tests above let through.
 
 
-def test_plateau_window_ema_boundary_and_scale():
-    assert not R.discrepancy_plateaued([1.0, 0.5, 0.5], window=2, tol=0.02, ema=0.0)   # m_{k-W} is m_0
-    assert not R.discrepancy_plateaued([1.0, 0.5, 0.5], window=1, tol=0.02, ema=0.5)   # EMA: .75 -> .625
-    assert R.discrepancy_plateaued([1.0, 0.5], window=1, tol=0.5, ema=0.0)             # <= tol, not <
-    assert R.discrepancy_plateaued([100.0, 99.5, 99.0], window=2, tol=0.02, ema=0.0)   # relative decrease
-
-
-def test_success_condition_uses_the_window_mean():
-    state = R.Retirement(teacher_success=1.0, window=2, tol=0.02, ema=0.0, rho=0.9)
-    logs = [state.update(k, 1.0, s) for k, s in enumerate([0.0, 1.0, 0.8])]
-    assert logs[-1]["student_success_window"] == pytest.approx(0.9) and logs[-1]["retire_now"]
-
-
 def _student_phase(tiny, tmp_path, teacher, retirement=None, iterations=1, batch_tasks=1):
     model, tok = tiny
     cfg = small_cfg(env="alfworld", iterations=iterations, batch_tasks=batch_tasks, group_size=2,
-                    eval_every=0, save_every=0, kl_coef=0.0, run_dir=str(tmp_path))
+                    eval_every=5, save_every=0, kl_coef=0.0, run_dir=str(tmp_path))
     frozen = {"teacher": teacher, "reference": None}
     R.train_phase("student", copy.deepcopy(model), tok, FakeSuite(), cfg, R.Run(cfg), policy_skills=False,
                   frozen=frozen, retirement=retirement)
@@ -1232,7 +1364,7 @@ def _student_phase(tiny, tmp_path, teacher, retirement=None, iterations=1, batch
 def test_teacher_is_freed_at_retirement(tiny, tmp_path):
     teacher = copy.deepcopy(tiny[0]).requires_grad_(False)
     alive = weakref.ref(teacher)
-    retirement = R.Retirement(teacher_success=0.0, window=1, tol=10.0)
+    retirement = R.Retirement(teacher_success=None, mode="fixed", window=1, retire_at=2)
     frozen, _ = _student_phase(tiny, tmp_path, teacher, retirement, iterations=3)
     del teacher
     gc.collect()
@@ -1242,10 +1374,10 @@ def test_teacher_is_freed_at_retirement(tiny, tmp_path):
 def test_pipeline_teacher_scores_the_skill_prompt(tiny, tmp_path, monkeypatch):
     # teacher = an exact copy of the student: D > 0 only because the teacher sees its skills
     _, metrics = _student_phase(tiny, tmp_path / "skills", copy.deepcopy(tiny[0]))
-    assert metrics[0]["discrepancy"] > 0
+    assert metrics[0]["gap_k3"] > 0 and metrics[0]["gap"] != 0
     monkeypatch.setattr(R, "skill_text", lambda env, task_type: "")
     _, metrics = _student_phase(tiny, tmp_path / "empty", copy.deepcopy(tiny[0]))
-    assert metrics[0]["discrepancy"] == 0.0
+    assert metrics[0]["gap"] == 0.0 and metrics[0]["gap_k3"] == 0.0
 
 
 def test_pipeline_grpo_groups_are_tasks_not_episodes(tiny, tmp_path, monkeypatch):
@@ -1353,26 +1485,28 @@ def test_truncate_logs_drops_every_log_line_after_the_checkpoint(tmp_path):
 
 
 def test_evaluation_does_not_change_the_training_trajectory(tmp_path):
-    _, with_eval, _ = run_cli(tmp_path, "a", "--env", "webshop", "--algo", "grpo", "--eval-every", "1")
-    _, without, _ = run_cli(tmp_path, "b", "--env", "webshop", "--algo", "grpo", "--eval-every", "0")
-    strip = lambda ms: [{k: v for k, v in m.items() if k != "eval_success"} for m in comparable(ms)]  # noqa: E731
+    _, with_eval, _ = run_cli(tmp_path, "a", "--env", "webshop", "--algo", "grpo", "--window", "3", "--eval-every", "1")
+    _, without, _ = run_cli(tmp_path, "b", "--env", "webshop", "--algo", "grpo", "--window", "3", "--eval-every", "3")
+    assert [("val_success" in m) for m in without] == [False, False, True]
+    strip = lambda ms: [{k: v for k, v in m.items() if k != "val_success"} for m in comparable(ms)]  # noqa: E731
     assert strip(with_eval) == strip(without)
 
 
-def _advantages_of_one_student_iteration(tiny, tmp_path, monkeypatch, opd_coef=1.0, **phase):
+def _one_student_update(tiny, tmp_path, monkeypatch, **phase):
+    """What reaches ppo_update in one phase-2 iteration whose first episode wins."""
     model, tok = tiny
     win = tok("<think>x</think><action>open box 1</action><|im_end|>")["input_ids"]
     bad = tok("garbage<|im_end|>")["input_ids"]
     monkeypatch.setattr(R, "generate", lambda m, t, prompts, n, temp: [(win, False)] + [(bad, False)] * (len(prompts) - 1))
     captured, real = {}, R.ppo_update
 
-    def spy(policy, optimizer, samples, old, adv, cfg, *a, **k):
-        captured.update(samples=samples, old=old, adv=adv)
-        return real(policy, optimizer, samples, old, adv, cfg, *a, **k)
+    def spy(policy, optimizer, samples, old, adv, cfg, **kwargs):
+        captured.update(samples=samples, old=old, adv=adv, **kwargs)
+        return real(policy, optimizer, samples, old, adv, cfg, **kwargs)
 
     monkeypatch.setattr(R, "ppo_update", spy)
-    cfg = small_cfg(env="alfworld", iterations=1, batch_tasks=1, group_size=2, eval_every=0, save_every=0,
-                    kl_coef=0.0, opd_coef=opd_coef, run_dir=str(tmp_path))
+    cfg = small_cfg(env="alfworld", iterations=1, batch_tasks=1, group_size=2, eval_every=1, save_every=0,
+                    opd_mini_batch=3, mini_batch=5, run_dir=str(tmp_path))
     teacher = copy.deepcopy(model)
     R.train_phase("student", copy.deepcopy(model), tok, FakeSuite(), cfg, R.Run(cfg), policy_skills=False,
                   frozen={"teacher": teacher, "reference": None}, **phase)
@@ -1382,28 +1516,43 @@ def _advantages_of_one_student_iteration(tiny, tmp_path, monkeypatch, opd_coef=1
     return captured, teacher_logp, grpo
 
 
-def test_pure_opd_advantage_is_lambda_times_the_gap_only(tiny, tmp_path, monkeypatch):
-    cap, t_logp, grpo = _advantages_of_one_student_iteration(tiny, tmp_path, monkeypatch, opd_coef=0.5, opd_only=True)
+def test_pure_opd_trains_on_the_opd_loss_alone(tiny, tmp_path, monkeypatch):
+    cap, t_logp, grpo = _one_student_update(tiny, tmp_path, monkeypatch, grpo_loss=False)
     assert grpo.abs().max() > 0       # the GRPO signal exists but must not be used
-    for adv, old, t in zip(cap["adv"], cap["old"], t_logp):
-        assert torch.allclose(adv, 0.5 * (t - old), atol=1e-6)
-
-
-def test_grpo_plus_opd_advantage_is_the_sum(tiny, tmp_path, monkeypatch):
-    cap, t_logp, grpo = _advantages_of_one_student_iteration(tiny, tmp_path, monkeypatch, opd_coef=0.5)
-    assert any((t - o).abs().max() > 0 for o, t in zip(cap["old"], t_logp))
-    _, expected_d = R.teacher_student_kl(torch.cat(cap["old"]), torch.cat(t_logp), torch.ones(sum(map(len, t_logp))))
+    assert cap["adv"] is None and cap["opd_coef"] == 0.01 and cap["mini_batch"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(cap["teacher_logp"], t_logp))
     (record,) = R.read_jsonl(tmp_path / "metrics.jsonl")
-    assert record["discrepancy"] == pytest.approx(float(expected_d), rel=1e-6)
-    for adv, old, t, g in zip(cap["adv"], cap["old"], t_logp, grpo):
-        assert torch.allclose(adv, g + 0.5 * (t - old), atol=1e-6)
+    assert "pg_loss" not in record and record["loss"] == pytest.approx(0.01 * record["opd_loss"], rel=1e-6)
 
 
-def test_zero_kl_coef_never_loads_the_reference(tmp_path, monkeypatch):
+def test_grpo_plus_opd_gets_the_grpo_advantage_and_the_teacher_logprobs(tiny, tmp_path, monkeypatch):
+    cap, t_logp, grpo = _one_student_update(tiny, tmp_path, monkeypatch)
+    assert any((t - o).abs().max() > 0 for o, t in zip(cap["old"], t_logp))
+    flat_old, flat_teacher = torch.cat(cap["old"]), torch.cat(t_logp)
+    (record,) = R.read_jsonl(tmp_path / "metrics.jsonl")
+    assert record["gap"] == pytest.approx(float((flat_old - flat_teacher).mean()), rel=1e-5)
+    assert record["gap_k3"] == pytest.approx(float(R.k3(flat_old, flat_teacher).mean()), rel=1e-5)
+    # phase 2 with a teacher: the authors' protocol (mini-batch 128 here 3, no reference KL)
+    assert cap["mini_batch"] == 3 and cap["kl_coef"] == 0.0 and cap["ref_logp"] is None
+    assert cap["opd_coef"] == 0.01 and all(torch.equal(a, b) for a, b in zip(cap["teacher_logp"], t_logp))
+    for adv, g, s in zip(cap["adv"], grpo, cap["samples"]):  # one GRPO advantage per turn-sample
+        assert torch.equal(adv, torch.full((len(s.response_ids),), float(g)))
+    # the combined loss is L_PPO - entropy + lambda L_OPD (ratio 1 on one mini-batch: pg = -mean A)
+    assert record["loss"] == pytest.approx(record["pg_loss"] - 0.001 * record["entropy"]
+                                           + 0.01 * record["opd_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_zero_kl_coef_never_loads_the_reference_and_phase_two_with_a_teacher_has_none(tmp_path, monkeypatch):
     loads, real = [], R.load_policy
-    monkeypatch.setattr(R, "load_policy", lambda name, *a, **k: (loads.append(name), real(name, *a, **k))[1])
+    monkeypatch.setattr(R, "load_policy", lambda name, *a, **k: (loads.append(Path(name).name), real(name, *a, **k))[1])
     run_cli(tmp_path, "nokl", "--env", "webshop", "--algo", "grpo", "--kl-coef", "0")
     assert loads == ["tiny"]          # the student only
+    loads.clear()
+    run_dir, metrics, _ = run_cli(tmp_path, "retire", "--env", "webshop")
+    # phase 1: the policy and its KL reference; phase 2: the student and the teacher, no reference
+    assert loads == ["tiny", "tiny", "tiny", "teacher"]
+    assert all("kl_ref" in m for m in metrics if m["phase"] == "teacher")
+    assert all("kl_ref" not in m and "t_reference" not in m for m in metrics if m["phase"] == "student")
 
 
 def test_skills_in_phase_one_prompts_and_evals_and_S_T_over_last_window(tmp_path, monkeypatch):
@@ -1452,7 +1601,8 @@ def test_teacher_prompt_is_the_truncated_student_prompt_plus_skills(tiny):
     student, teacher, truncated = R.episode_prompts(tok, episode, cfg, skills)
     assert truncated and len(student) <= 300
     s_text, t_text = tok.decode(student), tok.decode(teacher)
-    assert t_text == s_text.replace("Your task: t", skills + "\n\nYour task: t", 1)
+    intro = R.ENV_INTRO["webshop"]
+    assert t_text == s_text.replace(intro, skills + "\n\n" + intro, 1)
 
 
 def test_finite_loss_with_overflowing_gradient_is_skipped(tiny):
@@ -1465,6 +1615,6 @@ def test_finite_loss_with_overflowing_gradient_is_skipped(tiny):
     old = R.score_samples(model, samples, cfg)
     before = [p.detach().clone() for p in model.parameters()]
     huge = [torch.full((len(s.response_ids),), 1e30) for s in samples]
-    out = R.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), samples, old, huge, cfg)
+    out = R.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), samples, old, huge, cfg, mini_batch=4)
     assert math.isfinite(out["loss"]) and out["skipped_steps"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
