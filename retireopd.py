@@ -1738,8 +1738,8 @@ class Run:
     run_dir/metrics.jsonl      one line per training iteration (README: glossary)
     run_dir/events.jsonl       start, teacher ready, retirement, done
     run_dir/eval.jsonl         evaluations on the fixed panel, per task type
-    run_dir/teacher, student   final models, Hugging Face format (+ retireopd.json)
-    run_dir/checkpoints/       resumable checkpoints: policy + trainer.pt (optimizer, RNG, retirement)
+    run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
+    run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
     """
 
     def __init__(self, cfg: Config):
@@ -1754,12 +1754,20 @@ class Run:
             f.write(json.dumps(record) + "\n")
 
     def save_model(self, model, tokenizer, name: str, extra: Optional[dict] = None,
-                   trainer_state: Optional[dict] = None) -> Path:
+                   trainer_state: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16) -> Path:
         """Hugging Face format (from_pretrained / vLLM), written to a temp folder then renamed,
-        so a crash mid-write never leaves a half checkpoint under the final name."""
+        so a crash mid-write never leaves a half checkpoint under the final name.
+
+        dtype: the weights' dtype on disk, bf16 by default (final models: half the size, and
+        servable: vLLM's dtype=auto serves a float32 checkpoint in fp16, where Qwen2.5 breaks
+        down); None keeps the fp32 master weights (resumable checkpoints). The live model is
+        not changed."""
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
+        if dtype is None:
+            model.save_pretrained(tmp)
+        else:
+            save_pretrained_as(model, tmp, dtype)
         tokenizer.save_pretrained(tmp)
         if extra is not None:
             (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
@@ -1773,7 +1781,7 @@ class Run:
         """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints."""
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
         (self.dir / "checkpoints").mkdir(exist_ok=True)
-        self.save_model(model, tokenizer, name, trainer_state=state)
+        self.save_model(model, tokenizer, name, trainer_state=state, dtype=None)
         for old in self.checkpoints()[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -1794,6 +1802,23 @@ class Run:
                   if e["event"] != "retirement" or keep({"phase": "student",
                                                          "iteration": e["decided_after_iteration"]})]
         (self.dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def save_pretrained_as(model, folder: Path, dtype: torch.dtype) -> None:
+    """model.save_pretrained with the weights cast to dtype (copies on the CPU, a tied weight
+    once), and config.json saying so under both names readers use: `dtype` (transformers >= 4.56)
+    and `torch_dtype` (older transformers, and the vLLM builds pinned to them)."""
+    copies, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        if (tensor.data_ptr(), tensor.shape) in seen:  # tied (lm_head = embedding): saved once
+            continue
+        seen.add((tensor.data_ptr(), tensor.shape))
+        copies[key] = tensor.detach().to("cpu", dtype)
+    model.save_pretrained(folder, state_dict=copies)
+    config_file = Path(folder) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -594,9 +594,57 @@ def test_saved_teacher_is_reused_and_models_load_by_folder(tmp_path):
     assert phases(metrics) == [("student", k) for k in range(3)]  # phase 1 skipped
     with pytest.raises(SystemExit, match="trained on webshop"):
         R.main(QUICK + ["--env", "alfworld", "--teacher", str(first / "teacher"), "--run-dir", str(tmp_path / "z")])
+    for folder in (first / "teacher", second / "student"):  # final models: bf16, servable
+        assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
     model, tok = R.load_policy(str(second / "student"), torch.device("cpu"), torch.float32)
-    (ids, _), = R.generate(model, tok, [R.encode_prompt(tok, "hello")], 4, 1.0)
+    (ids, *_), = R.generate(model, tok, [R.encode_prompt(tok, "hello")], 4, 1.0)
     assert 1 <= len(ids) <= 4
+
+
+def test_final_models_are_bf16_and_generate_checkpoints_keep_fp32(tiny, tmp_path):
+    model, tok = tiny
+    run = R.Run(small_cfg(run_dir=str(tmp_path)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    final = run.save_model(model, tok, "student", {"algo": "grpo"})
+    config = json.loads((final / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    loaded = R.transformers.AutoModelForCausalLM.from_pretrained(final)
+    assert loaded.dtype == torch.bfloat16
+    for key, value in loaded.state_dict().items():  # the fp32 weights rounded to bf16, nothing else
+        assert torch.equal(value, before[key].to(torch.bfloat16)), key
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()  # still tied
+    # 2 B/param, the tied embedding once (a second copy would add 2 x 512 x 64 B); the header is small
+    assert (final / "model.safetensors").stat().st_size < 2 * sum(p.numel() for p in model.parameters()) + 16_384
+    tok_loaded = R.transformers.AutoTokenizer.from_pretrained(final)
+    torch.manual_seed(0)
+    (ids, _), = R.generate(loaded, tok_loaded, [R.encode_prompt(tok_loaded, "hello")], 4, 1.0)
+    assert 1 <= len(ids) <= 4
+    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+    run.checkpoint(model, tok, {"phase": "student", "iteration": 0})  # resumable: the fp32 master weights
+    resumable = R.transformers.AutoModelForCausalLM.from_pretrained(run.checkpoints()[-1])
+    assert resumable.dtype == torch.float32
+    assert all(torch.equal(v, before[k]) for k, v in resumable.state_dict().items())
+
+
+def test_a_bf16_saved_teacher_loaded_in_fp32_gives_zero_discrepancy_only_against_the_same_weights(tiny, tmp_path):
+    """Phase 2 loads the teacher from its bf16 folder into --frozen-dtype float32: the teacher is
+    then the bf16-rounded model, exactly. Against the same weights D = 0 exactly; against the fp32
+    weights it was rounded from, D is small but not 0 (the cost of servable final models)."""
+    model, tok = tiny
+    R.Run(small_cfg(run_dir=str(tmp_path))).save_model(model, tok, "teacher")
+    teacher, _ = R.load_policy(str(tmp_path / "teacher"), torch.device("cpu"), torch.float32)
+    assert teacher.dtype == torch.float32
+    rounded_student = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
+    cfg = small_cfg(env="alfworld")
+    torch.manual_seed(0)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
+                              teacher_skills=False, temperature=1.0)
+    teacher_logp = torch.cat(R.score_samples(teacher, samples, cfg))
+    for student, zero in ((rounded_student, True), (model, False)):
+        student_logp = torch.cat(R.score_samples(student, samples, cfg))
+        _, discrepancy = R.teacher_student_kl(student_logp, teacher_logp, torch.ones_like(student_logp))
+        assert (float(discrepancy) == 0.0) == zero
+        assert float(discrepancy) < 1e-5  # measured: ~1.5e-7 on the tiny model
 
 
 def test_bad_flags_fail_before_any_model_is_loaded(tmp_path):
