@@ -75,7 +75,7 @@ import weakref
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -122,6 +122,8 @@ class Config:
     env_workers: int = 0  # ALFWorld: processes that step the games in parallel (0: in this process)
     max_response_tokens: int = 512  # an answer cut here is malformed
     max_prompt_tokens: Optional[int] = None  # student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)
+    prefill_batch: int = 16  # prompts prefilled per forward in a rollout turn (the prefill's memory grows
+    #   with it times the prompt width, not with B*G); 0: all of them in one forward
     temperature: float = 1.0  # rollout temperature (full distribution: top_k=0, top_p=1)
     malformed_penalty: float = 0.1  # subtracted from a turn's score when its answer is malformed
     success_reward: float = 10.0  # R_i for a won episode
@@ -1399,6 +1401,7 @@ class TurnSample:
     malformed: bool  # no <think>/<action> pair, CJK, or cut at max_response_tokens
     teacher_prompt_ids: Optional[list] = None  # s_t^T, when a teacher will score y
     score: float = 0.0  # r_{i,t} = R_i - 0.1 [malformed], set when the episode ends
+    sample_logp: Optional[torch.Tensor] = None  # (len(y),) log-probs of y as the sampler saw them
 
 
 @dataclass
@@ -1474,13 +1477,94 @@ def fp32_output_head(model):
         del head.forward
 
 
+class SampledTokenLogprobs(transformers.LogitsProcessor):
+    """Records log pi(y_k | s, y_<k) of every token that generate samples, keeping only the
+    previous step's (batch, vocab) log-softmax, never the (steps, batch, vocab) scores.
+
+    At step k generate calls it with the fp32 scores of token k while input_ids end with token
+    k-1: it gathers token k-1 from the log-softmax kept at step k-1, then keeps step k's; `finish`
+    gathers the last token once generate has returned. Cost: one (batch, vocab) log-softmax and
+    gather per step, beside generate's own softmax of the same scores.
+
+    Position in the processor list (transformers 5.24, `_get_logits_processor`): the processors
+    passed to generate come after the built-in logits processors (none is active with our
+    settings: no repetition penalty, no bad words, no minimum length) and *before* the sampling
+    warpers (temperature, top-k, top-p). The scores seen here are therefore the temperature-1
+    distribution, which is the one sampled from in every training rollout (temperature 1 is
+    enforced); at another temperature (evaluation) they are not the sampled distribution's.
+    """
+
+    def __init__(self):
+        self.previous: Optional[torch.Tensor] = None  # (batch, vocab) log-softmax of the last step
+        self.picked: list = []  # per step k: (batch,) log-prob of token k
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.picked.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores  # the distribution is left untouched
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, steps) log-probs of new_tokens, the (batch, steps) ids generate appended. A
+        step generate ran and then undid (its deferred stop check) is dropped."""
+        steps = new_tokens.shape[1]
+        if len(self.picked) < steps:  # the last step's token is only known now
+            self.picked.append(self.previous.gather(1, new_tokens[:, len(self.picked), None]).squeeze(1))
+        self.previous = None
+        if len(self.picked) < steps:
+            raise RuntimeError(f"generate made {steps} steps but showed the scores of {len(self.picked)}")
+        return torch.stack(self.picked[:steps], dim=1)
+
+
+def prefill_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows_per_forward: int):
+    """KV cache of input_ids[:, :-1] (all prompt columns but the last), built rows_per_forward
+    rows at a time, so that the prefill's temporaries (one layer's activations for every prompt
+    token in the forward) grow with rows_per_forward x width instead of B*G x width.
+
+    input_ids, attention_mask: (batch, width), left padded. Positions are numbered as generate
+    numbers them (count of real tokens before, 0 on padding). The sub-batch caches are joined
+    along the batch dimension one layer at a time, each part freed as it is copied, so the join
+    costs one layer's cache on top of the cache itself. model.generate, given the full input_ids
+    and this cache, then runs only the last prompt column for all rows, and decodes on.
+    """
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    parts = []
+    for start in range(0, input_ids.shape[0], rows_per_forward):
+        rows = slice(start, start + rows_per_forward)
+        out = model.base_model(input_ids=input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1],
+                               position_ids=positions[rows, :-1], use_cache=True,
+                               cache=transformers.DynamicCache(config=model.config))
+        parts.append(out.cache)
+        del out  # its last_hidden_state is not needed: generate recomputes the last column
+
+    def joined_layers():
+        for layer in range(len(parts[0].layers)):
+            keys = torch.cat([part.layers[layer].keys for part in parts])
+            values = torch.cat([part.layers[layer].values for part in parts])
+            for part in parts:
+                part.layers[layer].keys = part.layers[layer].values = None
+            yield keys, values
+
+    return transformers.DynamicCache(joined_layers(), config=model.config)
+
+
+class Sampled(NamedTuple):
+    ids: list  # the response's token ids, ending in EOS unless cut
+    hit_cap: bool  # cut at max_new_tokens without EOS
+    logp: Optional[torch.Tensor] = None  # (len(ids),) fp32, CPU: log-prob of each token at sampling time
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float):
-    """Sample one response per prompt in one batched call. Returns [(token ids, hit_cap)].
+def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float,
+             prefill_batch: int = 0) -> list:
+    """Sample one response per prompt in one batched call. Returns [Sampled] in prompt order.
 
     The sampling settings are passed in full (temperature, top_k=0, top_p=1, no repetition
     penalty) and the logits are fp32: the log-probs we train on are those of the distribution
-    pi(.|s) we sampled from.
+    pi(.|s) we sampled from. Each response carries the temperature-1 log-prob of its tokens as
+    the sampler saw them (SampledTokenLogprobs), to compare with the scoring pass.
+    prefill_batch: prompts prefilled per forward (prefill_cache) when fewer than len(prompts);
+    0 prefills all of them in generate's own single forward.
     """
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
@@ -1492,13 +1576,19 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
         top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    recorder = SampledTokenLogprobs()
     with autocast(device), fp32_output_head(model):
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                             generation_config=sampling)
+        split = 0 < prefill_batch < len(prompts) and width > 1
+        cache = prefill_cache(model, input_ids, attention_mask, prefill_batch) if split else None
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=sampling,
+                             logits_processor=transformers.LogitsProcessorList([recorder]), cache=cache)
+    new_tokens = out[:, width:]
+    logps = recorder.finish(new_tokens).float().cpu()
     responses = []
-    for row in out[:, width:].tolist():
+    for row, logp in zip(new_tokens.tolist(), logps):
         end = next((k for k, tok in enumerate(row) if tok in eos), None)
-        responses.append((row[: end + 1], False) if end is not None else (row, True))
+        n, cut = (end + 1, False) if end is not None else (len(row), True)
+        responses.append(Sampled(row[:n], cut, logp[:n]))
     return responses
 
 
@@ -1526,7 +1616,7 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
     timers["t_env"] += time.perf_counter() - start
     samples: list[TurnSample] = []
     by_episode: dict[int, list[TurnSample]] = {}
-    generated_tokens, truncated_prompts = 0, 0
+    generated_tokens, truncated_prompts, generate_steps = 0, 0, 0
     model.eval()
     bar = tqdm(total=cfg.max_turns, desc=desc, leave=False, dynamic_ncols=True,
                disable=not sys.stderr.isatty())  # inner bars only in a terminal, not in log files
@@ -1542,15 +1632,19 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
             teacher_prompts.append(teacher if teacher_skills else None)
             truncated_prompts += truncated
         t0 = time.perf_counter()
-        responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature)
+        responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature,
+                             prefill_batch=cfg.prefill_batch)
         timers["t_generate"] += time.perf_counter() - t0
+        generate_steps += max(len(r.ids) for r in responses)  # the batch decodes to its longest answer
         t0 = time.perf_counter()
         stepping = []  # (episode, action); malformed answers are no-ops: the env is not stepped
-        for i, prompt, teacher_prompt, (response, hit_cap) in zip(active, prompts, teacher_prompts, responses):
+        for i, prompt, teacher_prompt, response in zip(active, prompts, teacher_prompts, responses):
             episode = episodes[i]
-            generated_tokens += len(response)
-            action = None if hit_cap else parse_action(tokenizer.decode(response, skip_special_tokens=True))
-            sample = TurnSample(episode.group, i, prompt, response, action is None, teacher_prompt)
+            generated_tokens += len(response.ids)
+            action = None if response.hit_cap else parse_action(
+                tokenizer.decode(response.ids, skip_special_tokens=True))
+            sample = TurnSample(episode.group, i, prompt, response.ids, action is None, teacher_prompt,
+                                sample_logp=response.logp)
             samples.append(sample)
             by_episode.setdefault(i, []).append(sample)
             episode.turns += 1
@@ -1587,8 +1681,9 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
              "malformed_frac": sum(s.malformed for s in samples) / max(len(samples), 1),
              "env_errors": sum(e.error is not None for e in episodes),
              "prompts_truncated": truncated_prompts, "gen_tokens": generated_tokens,
-             "samples": len(samples), **timers}
+             "gen_steps": generate_steps, "samples": len(samples), **timers}
     stats["gen_tokens_per_s"] = generated_tokens / max(timers["t_generate"], 1e-9)
+    stats["gen_ms_per_step"] = 1000 * timers["t_generate"] / max(generate_steps, 1)
     return samples, episodes, stats
 
 # ==================================================================================================
@@ -1645,6 +1740,21 @@ def response_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
     with autocast(device):
         return token_logprobs(picked, torch.tensor(targets, device=device),
                               model.get_output_embeddings(), cfg.logprob_chunk, with_entropy)
+
+
+def sample_logp_gap(samples: list, old_logp: list) -> dict:
+    """|l^sample - l^old| over every response token: the log-prob each token had when it was
+    sampled (cached decode, TurnSample.sample_logp) against the scoring pass's (full forward).
+
+    Both are pi_old at temperature 1, so the gap measures numerics only: ~1e-7 in fp32 on CPU; on
+    a GPU under bf16 autocast, how far the PPO ratio starts from 1. Samples without a recorded
+    log-prob (a scripted generate) are left out; no key at all when none has one.
+    """
+    pairs = [(s.sample_logp, old) for s, old in zip(samples, old_logp) if s.sample_logp is not None]
+    if not pairs:
+        return {}
+    gap = (torch.cat([sampled for sampled, _ in pairs]) - torch.cat([old for _, old in pairs])).abs()
+    return {"sample_logp_gap_mean": float(gap.mean()), "sample_logp_gap_max": float(gap.max())}
 
 
 @torch.no_grad()
@@ -1910,6 +2020,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         t0 = time.perf_counter()
         old_logp = score_samples(policy, samples, cfg)
         record["t_old_logp"] = time.perf_counter() - t0
+        record.update(sample_logp_gap(samples, old_logp))
         advantages = [torch.full((len(s.response_ids),), 0.0 if opd_only else float(a))
                       for s, a in zip(samples, group_adv)]
         if teacher_active:
@@ -2120,7 +2231,9 @@ def resume_config(run_dir: str, given: dict) -> Config:
     if not saved_file.is_file():
         raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
     saved = json.loads(saved_file.read_text())
-    free = ("run_dir", "env_workers")  # how the run is executed, not what it computes
+    # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
+    # to resume a run that ran out of memory in a rollout)
+    free = ("run_dir", "env_workers", "prefill_batch")
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
                for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
@@ -2147,6 +2260,8 @@ def validate_config(cfg: Config) -> None:
     for name in ("iterations", "batch_tasks", "max_turns", "max_response_tokens", "mini_batch", "token_budget"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.prefill_batch < 0:
+        problems.append("--prefill-batch must be >= 0 (0: prefill every prompt in one forward)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         problems.append(f"--device {cfg.device}: auto, cpu, cuda or cuda:N")
     elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -2294,7 +2409,8 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
     advantages = [torch.ones(n_new) for _ in samples]
     for _ in range(repeats):
         model.eval()
-        timed("ours_generate", lambda: sum(len(r) for r, _ in generate(model, tokenizer, prompts, n_new, 1.0)))
+        timed("ours_generate", lambda: sum(len(r.ids) for r in generate(model, tokenizer, prompts, n_new, 1.0,
+                                                                         prefill_batch=cfg.prefill_batch)))
         timed("plain_generate", plain_generate)
         timed("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg)["trained_tokens"])
         timed("plain_update", plain_update)
