@@ -40,6 +40,7 @@ Deliberate choices (README "choices and deviations" has the full list with reaso
       in fp32 by default (--frozen-dtype bfloat16 to halve them); log-probs from fp32 logits.
     - sampling is the full distribution (temperature 1, top_k 0, top_p 1, no repetition
       penalty) whatever the checkpoint's own generation config says.
+    - final teacher/ and student/ models are saved in bf16 (servable); checkpoints keep fp32.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class Config:
     env_workers: int = 0  # ALFWorld: processes that step the games in parallel (0: in this process)
     max_response_tokens: int = 512  # an answer cut here is malformed
     max_prompt_tokens: Optional[int] = None  # student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)
+    prefill_batch: int = 16  # prompts prefilled per forward in a rollout turn (the prefill's memory grows
+    #   with it times the prompt width, not with B*G); 0: all of them in one forward
     temperature: float = 1.0  # rollout temperature (full distribution: top_k=0, top_p=1)
     malformed_penalty: float = 0.1  # subtracted from a turn's score when its answer is malformed
     success_reward: float = 10.0  # R_i for a won episode
@@ -1172,31 +1175,58 @@ def eos_token_ids(model) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
-def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0) -> dict:
-    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs.
+def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
+                       device: Optional[torch.device] = None) -> dict:
+    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB).
 
-    trained policy: fp32 master weights + fp32 gradient + two fp32 AdamW moments (16 B/param),
-    plus autocast's bf16 copy of the weights (2 B/param); frozen teacher/reference: 4 or 2
-    B/param (--frozen-dtype); activations: with gradient checkpointing one fp32 hidden state per
-    layer per token of a micro-batch, plus one layer's working set; log-probs: one chunk of
-    vocabulary-sized fp32 logits and their softmax; KV cache of the lock-step generation batch
-    (keys fp32 under autocast, values bf16).
+    Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
+    moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
+    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of three
+    stages that never overlap (each frees its tensors before the next begins):
+      rollout: the KV cache of the lock-step batch at full length (keys fp32 under autocast,
+        values bf16; plus one layer, the copy each decode step's concatenation makes); the
+        prefill's temporaries, for prefill_batch rows (all B*G when 0) of the widest prompt:
+        one layer's working set per token (fp32 residual stream, its norm and the attention
+        output, 12 B per hidden unit; three bf16 MLP tensors, 6 B per intermediate unit) and
+        the boolean attention mask (width^2 B per row); sampling: three fp32 (B*G, vocab)
+        tensors per decode step (generate's logits and softmax, our log-softmax).
+      forward/backward: with gradient checkpointing one fp32 hidden state per layer per token
+        of a micro-batch plus one layer's working set; log-probs: one chunk of
+        vocabulary-sized fp32 logits and their softmax.
+      optimizer step: AdamW's temporaries: none when fused (CUDA), about one fp32 copy of the
+        parameters for the multi-tensor path (not used), two of the largest parameter's size for
+        the CPU loop.
+    device: where the run trains (default: the model's), which decides the AdamW path.
     """
-    n_params = sum(p.numel() for p in model.parameters())
+    device = device or next(model.parameters()).device
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
     shape = model.config
-    hidden, layers = shape.hidden_size, shape.num_hidden_layers
+    hidden, intermediate, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
     frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
     per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
-    activations = cfg.token_budget * (per_layer_token * layers + 6 * shape.intermediate_size * 2)
+    activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
     sequences = cfg.batch_tasks * cfg.group_size
     head_dim = hidden // shape.num_attention_heads
-    kv_cache = (sequences * (cfg.max_prompt_tokens + skill_tokens + cfg.max_response_tokens) * layers
+    prompt_width = cfg.max_prompt_tokens + skill_tokens
+    kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
                 * shape.num_key_value_heads * head_dim * (4 + 2))
+    prefill_rows = min(cfg.prefill_batch or sequences, sequences)
+    prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
+    if device.type == "cuda":  # build_adamw: fused on CUDA
+        optimizer_temporaries = 0
+    else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
+        optimizer_temporaries = 2 * 4 * max(p.numel() for p in params)
     parts = dict(policy_and_adam=18 * n_params, frozen_models=frozen_bytes * n_params * n_frozen,
+                 kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
                  activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12,
-                 kv_cache=kv_cache)
+                 optimizer_temporaries=optimizer_temporaries)
     gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
-    gib["total"] = round(sum(gib.values()), 2)
+    stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
+              "forward_backward": gib["activations"] + gib["logits"],
+              "optimizer_step": gib["optimizer_temporaries"]}
+    gib["peak_stage"] = max(stages, key=stages.get)
+    gib["total"] = round(gib["policy_and_adam"] + gib["frozen_models"] + stages[gib["peak_stage"]], 2)
     gib["params_millions"] = round(n_params / 1e6, 2)
     return gib
 
@@ -1481,6 +1511,7 @@ class TurnSample:
     malformed: bool  # no <think>/<action> pair, CJK, or cut at max_response_tokens
     teacher_prompt_ids: Optional[list] = None  # s_t^T, when a teacher will score y
     score: float = 0.0  # r_{i,t} = R_i - 0.1 [malformed], set when the episode ends
+    sample_logp: Optional[torch.Tensor] = None  # (len(y),) log-probs of y as the sampler saw them
 
 
 @dataclass
@@ -1557,13 +1588,94 @@ def fp32_output_head(model):
         del head.forward
 
 
+class SampledTokenLogprobs(transformers.LogitsProcessor):
+    """Records log pi(y_k | s, y_<k) of every token that generate samples, keeping only the
+    previous step's (batch, vocab) log-softmax, never the (steps, batch, vocab) scores.
+
+    At step k generate calls it with the fp32 scores of token k while input_ids end with token
+    k-1: it gathers token k-1 from the log-softmax kept at step k-1, then keeps step k's; `finish`
+    gathers the last token once generate has returned. Cost: one (batch, vocab) log-softmax and
+    gather per step, beside generate's own softmax of the same scores.
+
+    Position in the processor list (transformers 5.24, `_get_logits_processor`): the processors
+    passed to generate come after the built-in logits processors (none is active with our
+    settings: no repetition penalty, no bad words, no minimum length) and *before* the sampling
+    warpers (temperature, top-k, top-p). The scores seen here are therefore the temperature-1
+    distribution, which is the one sampled from in every training rollout (temperature 1 is
+    enforced); at another temperature (evaluation) they are not the sampled distribution's.
+    """
+
+    def __init__(self):
+        self.previous: Optional[torch.Tensor] = None  # (batch, vocab) log-softmax of the last step
+        self.picked: list = []  # per step k: (batch,) log-prob of token k
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.picked.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores  # the distribution is left untouched
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, steps) log-probs of new_tokens, the (batch, steps) ids generate appended. A
+        step generate ran and then undid (its deferred stop check) is dropped."""
+        steps = new_tokens.shape[1]
+        if len(self.picked) < steps:  # the last step's token is only known now
+            self.picked.append(self.previous.gather(1, new_tokens[:, len(self.picked), None]).squeeze(1))
+        self.previous = None
+        if len(self.picked) < steps:
+            raise RuntimeError(f"generate made {steps} steps but showed the scores of {len(self.picked)}")
+        return torch.stack(self.picked[:steps], dim=1)
+
+
+def prefill_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows_per_forward: int):
+    """KV cache of input_ids[:, :-1] (all prompt columns but the last), built rows_per_forward
+    rows at a time, so that the prefill's temporaries (one layer's activations for every prompt
+    token in the forward) grow with rows_per_forward x width instead of B*G x width.
+
+    input_ids, attention_mask: (batch, width), left padded. Positions are numbered as generate
+    numbers them (count of real tokens before, 0 on padding). The sub-batch caches are joined
+    along the batch dimension one layer at a time, each part freed as it is copied, so the join
+    costs one layer's cache on top of the cache itself. model.generate, given the full input_ids
+    and this cache, then runs only the last prompt column for all rows, and decodes on.
+    """
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    parts = []
+    for start in range(0, input_ids.shape[0], rows_per_forward):
+        rows = slice(start, start + rows_per_forward)
+        out = model.base_model(input_ids=input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1],
+                               position_ids=positions[rows, :-1], use_cache=True,
+                               cache=transformers.DynamicCache(config=model.config))
+        parts.append(out.cache)
+        del out  # its last_hidden_state is not needed: generate recomputes the last column
+
+    def joined_layers():
+        for layer in range(len(parts[0].layers)):
+            keys = torch.cat([part.layers[layer].keys for part in parts])
+            values = torch.cat([part.layers[layer].values for part in parts])
+            for part in parts:
+                part.layers[layer].keys = part.layers[layer].values = None
+            yield keys, values
+
+    return transformers.DynamicCache(joined_layers(), config=model.config)
+
+
+class Sampled(NamedTuple):
+    ids: list  # the response's token ids, ending in EOS unless cut
+    hit_cap: bool  # cut at max_new_tokens without EOS
+    logp: Optional[torch.Tensor] = None  # (len(ids),) fp32, CPU: log-prob of each token at sampling time
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float):
-    """Sample one response per prompt in one batched call. Returns [(token ids, hit_cap)].
+def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float,
+             prefill_batch: int = 0) -> list:
+    """Sample one response per prompt in one batched call. Returns [Sampled] in prompt order.
 
     The sampling settings are passed in full (temperature, top_k=0, top_p=1, no repetition
     penalty) and the logits are fp32: the log-probs we train on are those of the distribution
-    pi(.|s) we sampled from.
+    pi(.|s) we sampled from. Each response carries the temperature-1 log-prob of its tokens as
+    the sampler saw them (SampledTokenLogprobs), to compare with the scoring pass.
+    prefill_batch: prompts prefilled per forward (prefill_cache) when fewer than len(prompts);
+    0 prefills all of them in generate's own single forward.
     """
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
@@ -1575,13 +1687,19 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
         top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    recorder = SampledTokenLogprobs()
     with autocast(device), fp32_output_head(model):
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                             generation_config=sampling)
+        split = 0 < prefill_batch < len(prompts) and width > 1
+        cache = prefill_cache(model, input_ids, attention_mask, prefill_batch) if split else None
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=sampling,
+                             logits_processor=transformers.LogitsProcessorList([recorder]), cache=cache)
+    new_tokens = out[:, width:]
+    logps = recorder.finish(new_tokens).float().cpu()
     responses = []
-    for row in out[:, width:].tolist():
+    for row, logp in zip(new_tokens.tolist(), logps):
         end = next((k for k, tok in enumerate(row) if tok in eos), None)
-        responses.append((row[: end + 1], False) if end is not None else (row, True))
+        n, cut = (end + 1, False) if end is not None else (len(row), True)
+        responses.append(Sampled(row[:n], cut, logp[:n]))
     return responses
 
 
@@ -1609,7 +1727,7 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
     timers["t_env"] += time.perf_counter() - start
     samples: list[TurnSample] = []
     by_episode: dict[int, list[TurnSample]] = {}
-    generated_tokens, truncated_prompts = 0, 0
+    generated_tokens, truncated_prompts, generate_steps = 0, 0, 0
     model.eval()
     bar = tqdm(total=cfg.max_turns, desc=desc, leave=False, dynamic_ncols=True,
                disable=not sys.stderr.isatty())  # inner bars only in a terminal, not in log files
@@ -1625,15 +1743,19 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
             teacher_prompts.append(teacher if teacher_skills else None)
             truncated_prompts += truncated
         t0 = time.perf_counter()
-        responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature)
+        responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature,
+                             prefill_batch=cfg.prefill_batch)
         timers["t_generate"] += time.perf_counter() - t0
+        generate_steps += max(len(r.ids) for r in responses)  # the batch decodes to its longest answer
         t0 = time.perf_counter()
         stepping = []  # (episode, action); malformed answers are no-ops: the env is not stepped
-        for i, prompt, teacher_prompt, (response, hit_cap) in zip(active, prompts, teacher_prompts, responses):
+        for i, prompt, teacher_prompt, response in zip(active, prompts, teacher_prompts, responses):
             episode = episodes[i]
-            generated_tokens += len(response)
-            action = None if hit_cap else parse_action(tokenizer.decode(response, skip_special_tokens=True))
-            sample = TurnSample(episode.group, i, prompt, response, action is None, teacher_prompt)
+            generated_tokens += len(response.ids)
+            action = None if response.hit_cap else parse_action(
+                tokenizer.decode(response.ids, skip_special_tokens=True))
+            sample = TurnSample(episode.group, i, prompt, response.ids, action is None, teacher_prompt,
+                                sample_logp=response.logp)
             samples.append(sample)
             by_episode.setdefault(i, []).append(sample)
             episode.turns += 1
@@ -1670,8 +1792,9 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
              "malformed_frac": sum(s.malformed for s in samples) / max(len(samples), 1),
              "env_errors": sum(e.error is not None for e in episodes),
              "prompts_truncated": truncated_prompts, "gen_tokens": generated_tokens,
-             "samples": len(samples), **timers}
+             "gen_steps": generate_steps, "samples": len(samples), **timers}
     stats["gen_tokens_per_s"] = generated_tokens / max(timers["t_generate"], 1e-9)
+    stats["gen_ms_per_step"] = 1000 * timers["t_generate"] / max(generate_steps, 1)
     return samples, episodes, stats
 
 # ==================================================================================================
@@ -1728,6 +1851,21 @@ def response_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
     with autocast(device):
         return token_logprobs(picked, torch.tensor(targets, device=device),
                               model.get_output_embeddings(), cfg.logprob_chunk, with_entropy)
+
+
+def sample_logp_gap(samples: list, old_logp: list) -> dict:
+    """|l^sample - l^old| over every response token: the log-prob each token had when it was
+    sampled (cached decode, TurnSample.sample_logp) against the scoring pass's (full forward).
+
+    Both are pi_old at temperature 1, so the gap measures numerics only: ~1e-7 in fp32 on CPU; on
+    a GPU under bf16 autocast, how far the PPO ratio starts from 1. Samples without a recorded
+    log-prob (a scripted generate) are left out; no key at all when none has one.
+    """
+    pairs = [(s.sample_logp, old) for s, old in zip(samples, old_logp) if s.sample_logp is not None]
+    if not pairs:
+        return {}
+    gap = (torch.cat([sampled for sampled, _ in pairs]) - torch.cat([old for _, old in pairs])).abs()
+    return {"sample_logp_gap_mean": float(gap.mean()), "sample_logp_gap_max": float(gap.max())}
 
 
 @torch.no_grad()
@@ -1819,6 +1957,15 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                padding_frac=1 - trained_tokens / max(padded_tokens, 1))
     return out
 
+
+def build_adamw(model, cfg: Config) -> torch.optim.AdamW:
+    """AdamW over the fp32 master weights; fused on CUDA: one kernel per step, and no temporary
+    copy of the parameters (the default multi-tensor path allocates about one fp32 copy, ~6 GB
+    at 1.5B). Plain on CPU."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=True if on_cuda else None)
+
 # ==================================================================================================
 # 8. Phases: Skill-GRPO teacher, then GRPO + OPD student with adaptive retirement
 # ==================================================================================================
@@ -1835,8 +1982,8 @@ class Run:
     run_dir/metrics.jsonl      one line per training iteration (README: glossary)
     run_dir/events.jsonl       start, teacher ready, retirement, done
     run_dir/eval.jsonl         evaluations on the fixed panel, per task type
-    run_dir/teacher, student   final models, Hugging Face format (+ retireopd.json)
-    run_dir/checkpoints/       resumable checkpoints: policy + trainer.pt (optimizer, RNG, retirement)
+    run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
+    run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
     """
 
     def __init__(self, cfg: Config):
@@ -1851,12 +1998,20 @@ class Run:
             f.write(json.dumps(record) + "\n")
 
     def save_model(self, model, tokenizer, name: str, extra: Optional[dict] = None,
-                   trainer_state: Optional[dict] = None) -> Path:
+                   trainer_state: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16) -> Path:
         """Hugging Face format (from_pretrained / vLLM), written to a temp folder then renamed,
-        so a crash mid-write never leaves a half checkpoint under the final name."""
+        so a crash mid-write never leaves a half checkpoint under the final name.
+
+        dtype: the weights' dtype on disk, bf16 by default (final models: half the size, and
+        servable: vLLM's dtype=auto serves a float32 checkpoint in fp16, where Qwen2.5 breaks
+        down); None keeps the fp32 master weights (resumable checkpoints). The live model is
+        not changed."""
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
+        if dtype is None:
+            model.save_pretrained(tmp)
+        else:
+            save_pretrained_as(model, tmp, dtype)
         tokenizer.save_pretrained(tmp)
         if extra is not None:
             (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
@@ -1870,7 +2025,7 @@ class Run:
         """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints."""
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
         (self.dir / "checkpoints").mkdir(exist_ok=True)
-        self.save_model(model, tokenizer, name, trainer_state=state)
+        self.save_model(model, tokenizer, name, trainer_state=state, dtype=None)
         for old in self.checkpoints()[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -1891,6 +2046,23 @@ class Run:
                   if e["event"] != "retirement" or keep({"phase": "student",
                                                          "iteration": e["decided_after_iteration"]})]
         (self.dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def save_pretrained_as(model, folder: Path, dtype: torch.dtype) -> None:
+    """model.save_pretrained with the weights cast to dtype (copies on the CPU, a tied weight
+    once), and config.json saying so under both names readers use: `dtype` (transformers >= 4.56)
+    and `torch_dtype` (older transformers, and the vLLM builds pinned to them)."""
+    copies, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        if (tensor.data_ptr(), tensor.shape) in seen:  # tied (lm_head = embedding): saved once
+            continue
+        seen.add((tensor.data_ptr(), tensor.shape))
+        copies[key] = tensor.detach().to("cpu", dtype)
+    model.save_pretrained(folder, state_dict=copies)
+    config_file = Path(folder) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -1973,7 +2145,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     iteration.
     """
     device = next(policy.parameters()).device
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = build_adamw(policy, cfg)
     rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
     mini_batch, kl_coef = phase_protocol(cfg, with_teacher=frozen.get("teacher") is not None)
     val_successes, first = [], 0
@@ -2008,6 +2180,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         t0 = time.perf_counter()
         old_logp = score_samples(policy, samples, cfg)
         record["t_old_logp"] = time.perf_counter() - t0
+        record.update(sample_logp_gap(samples, old_logp))
         teacher_logp = None
         if teacher_active:
             t0 = time.perf_counter()
@@ -2225,8 +2398,9 @@ def resume_config(run_dir: str, given: dict) -> Config:
     if not saved_file.is_file():
         raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
     saved = json.loads(saved_file.read_text())
-    # how the run is executed, not what it computes; and S_T, for a run that stopped because it was 0
-    free = ("run_dir", "env_workers", "teacher_success")
+    # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
+    # to resume a run that ran out of memory in a rollout); and S_T, for a run that stopped at S_T = 0
+    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success")
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
                for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
@@ -2254,6 +2428,8 @@ def validate_config(cfg: Config) -> None:
                  "token_budget"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.prefill_batch < 0:
+        problems.append("--prefill-batch must be >= 0 (0: prefill every prompt in one forward)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         problems.append(f"--device {cfg.device}: auto, cpu, cuda or cuda:N")
     elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -2336,6 +2512,9 @@ def measured_peak_gb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmHWM")
 
 
+MEASURABLE_PEAK_GB = 0.01  # the benchmark's memory floor: below it a peak is noise, not a measurement
+
+
 def benchmark(cfg: Config, repeats: int = 3) -> dict:
     """Time our rollout generation, update and log-probs against the plain Hugging Face calls on
     the same inputs (interleaved repetitions, medians), with peak memory for the log-probs.
@@ -2359,7 +2538,7 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
     timings: dict = {name: [] for name in ("ours_generate", "plain_generate", "ours_update",
                                            "plain_update", "ours_logprob", "plain_logprob")}
     memory = {"ours_logprob": [], "plain_logprob": []}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: measure without moving
+    optimizer = build_adamw(model, dataclasses.replace(cfg, lr=0.0))  # lr 0: measure without moving
 
     def plain_generate():
         width = max(len(p) for p in prompts)
@@ -2404,7 +2583,8 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
     advantages = [torch.ones(n_new) for _ in samples]
     for _ in range(repeats):
         model.eval()
-        timed("ours_generate", lambda: sum(len(r) for r, _ in generate(model, tokenizer, prompts, n_new, 1.0)))
+        timed("ours_generate", lambda: sum(len(r.ids) for r in generate(model, tokenizer, prompts, n_new, 1.0,
+                                                                         prefill_batch=cfg.prefill_batch)))
         timed("plain_generate", plain_generate)
         timed("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg,
                                                                   mini_batch=cfg.mini_batch)["trained_tokens"])
@@ -2418,6 +2598,7 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
                 timed(name, lambda: (fn(), len(samples) * n_new)[1])
             memory[name].append(measured_peak_gb(device) - base)
     median = {name: statistics.median(t for t, _ in runs) for name, runs in timings.items()}
+    peak = {name: statistics.median(v) for name, v in memory.items()}
     tokens = {name: runs[-1][1] for name, runs in timings.items()}
     per_s = {name: tokens[name] / median[name] for name in median}
     report = {
@@ -2426,20 +2607,31 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
         "rollout_speed_ratio": round(per_s["ours_generate"] / per_s["plain_generate"], 3),
         "update_speed_ratio": round(per_s["ours_update"] / per_s["plain_update"], 3),
         "logprob_speed_ratio": round(median["plain_logprob"] / median["ours_logprob"], 3),
-        "logprob_peak_gb": {k: round(statistics.median(v), 4) for k, v in memory.items()},
-        "logprob_memory_ratio": round(statistics.median(memory["ours_logprob"])
-                                      / max(statistics.median(memory["plain_logprob"]), 1e-9), 4),
+        "logprob_peak_gb": {k: round(v, 4) for k, v in peak.items()},
+        # a ratio of two peaks near the measurement's noise (CPU resident-set changes) means
+        # nothing, and can even be negative: none below the floor
+        "logprob_memory_ratio": round(peak["ours_logprob"] / peak["plain_logprob"], 4)
+        if min(peak.values()) >= MEASURABLE_PEAK_GB else None,
     }
     return report
+
+
+def format_memory_estimate(memory: dict) -> str:
+    """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
+    stages = {"rollout": ("kv_cache", "prefill", "sampling"),
+              "forward_backward": ("activations", "logits"), "optimizer_step": ("optimizer_temporaries",)}
+    order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
+    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]) for stage in order]
+    return (f"{memory['total']} GiB = policy_and_adam {memory['policy_and_adam']} + frozen_models "
+            f"{memory['frozen_models']} + the largest stage ({'; '.join(described)}); "
+            f"{memory['params_millions']}M parameters")
 
 
 def print_memory_estimate(policy, cfg: Config, device: torch.device, run: Run, phase: str,
                           n_frozen: int, skill_tokens: int = 0) -> None:
     """Print (and log) the memory estimate before the phase allocates anything heavy."""
-    memory = estimate_memory_gb(policy, cfg, n_frozen, skill_tokens)
-    parts = ", ".join(f"{k} {v}" for k, v in memory.items() if k not in ("total", "params_millions"))
-    print(f"[retireopd] {phase} memory estimate: {memory['total']} GiB ({parts}; "
-          f"{memory['params_millions']}M parameters)")
+    memory = estimate_memory_gb(policy, cfg, n_frozen, skill_tokens, device)
+    print(f"[retireopd] {phase} memory estimate: {format_memory_estimate(memory)}")
     if device.type == "cuda":
         available = torch.cuda.get_device_properties(device).total_memory / 2**30
         if memory["total"] > 0.95 * available:
@@ -2469,9 +2661,11 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
                              ("logprob", "logprob_speed_ratio")):
             print(f"  {stage:<10}{speed['ours_' + stage]:>12.0f}{speed['plain_' + stage]:>12.0f}"
                   f"{report[ratio]:>12.2f}")
-        peak = report["logprob_peak_gb"]
+        peak, ratio = report["logprob_peak_gb"], report["logprob_memory_ratio"]
         print(f"  log-prob peak memory (GiB): ours {peak['ours_logprob']}, plain {peak['plain_logprob']}, "
-              f"ratio {report['logprob_memory_ratio']}")
+              + (f"ratio {ratio}" if ratio is not None else
+                 f"too small to measure (a peak below {MEASURABLE_PEAK_GB} GiB; use a model with the "
+                 "real vocabulary, e.g. random:small-vocab151k)"))
         return Path(cfg.run_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
