@@ -167,8 +167,9 @@ class Config:
     eval_temperature: float = 0.4  # sampling temperature of validations and the end-of-phase reports
     eval_episodes: Optional[int] = None  # cap every panel, for quick checks (ALFWorld: round-robin
     #   over task types; WebShop: the first N goals); None = the whole panel
-    save_every: int = 10  # resumable checkpoint every N iterations (also at phase ends, retirement)
-    keep_checkpoints: int = 2  # how many resumable checkpoints to keep
+    save_every: int = 10  # resumable checkpoint every N iterations (also at phase ends, retirement; 0: only
+    #   there)
+    keep_checkpoints: int = 2  # how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)
     frozen_dtype: str = "float32"  # teacher/reference weights: float32 (the student's numerics, so
     #   identical models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)
 
@@ -2352,7 +2353,8 @@ def config_field_help() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\nWith --model tiny, a flag "
+                                     "marked [default: X; tiny: Y] defaults to Y (TINY_PRESET).",
                                      epilog="\n\n".join(__doc__.split("\n\n")[3:5]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
@@ -2363,7 +2365,8 @@ def build_parser() -> argparse.ArgumentParser:
     helps = config_field_help()
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        text = f"{helps.get(f.name, '')} [default: {f.default}]"
+        tiny = f"; tiny: {TINY_PRESET[f.name]}" if f.name in TINY_PRESET else ""  # what --model tiny uses instead
+        text = f"{helps.get(f.name, '')} [default: {f.default}{tiny}]"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=text)
@@ -2425,9 +2428,23 @@ def validate_config(cfg: Config) -> None:
     if cfg.window < 1:
         problems.append("--window must be >= 1")
     for name in ("iterations", "batch_tasks", "max_turns", "max_response_tokens", "mini_batch", "opd_mini_batch",
-                 "token_budget"):
+                 "token_budget", "ppo_epochs", "logprob_chunk"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.eval_episodes is not None and cfg.eval_episodes < 1:
+        problems.append("--eval-episodes must be >= 1 (leave it out for the whole panel)")
+    if cfg.history < 0:
+        problems.append("--history must be >= 0 (0: no past observations in the prompt)")
+    if cfg.keep_checkpoints < 1:
+        problems.append("--keep-checkpoints must be >= 1: --resume needs a checkpoint (--save-every 0 writes "
+                        "them only at phase ends and retirement)")
+    if cfg.save_every < 0:
+        problems.append("--save-every must be >= 0 (0: checkpoints only at phase ends and retirement)")
+    for name in ("clip_eps", "grad_clip", "success_reward"):
+        if getattr(cfg, name) <= 0:
+            problems.append(f"--{name.replace('_', '-')} must be > 0")
+    if cfg.eval_temperature < 0:
+        problems.append("--eval-temperature must be >= 0 (0: greedy)")
     if cfg.prefill_batch < 0:
         problems.append("--prefill-batch must be >= 0 (0: prefill every prompt in one forward)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
@@ -2439,12 +2456,12 @@ def validate_config(cfg: Config) -> None:
                         "distribution at temperature 1 (use --eval-temperature for evaluation)")
     if cfg.retire_at is not None and cfg.retire_at > cfg.iterations:
         problems.append(f"--retire-at {cfg.retire_at} is after the last iteration ({cfg.iterations})")
-    for name in ("kl_coef", "opd_kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr"):
+    for name in ("kl_coef", "opd_kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr", "weight_decay"):
         if getattr(cfg, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
     if cfg.dual_clip <= 1:
         problems.append("--dual-clip must be > 1 (it caps the loss of a negative advantage at -c*A)")
-    if not 1 <= cfg.eval_every <= cfg.window:
+    if cfg.window >= 1 and not 1 <= cfg.eval_every <= cfg.window:  # (a bad --window is reported alone)
         problems.append(f"--eval-every {cfg.eval_every}: must be between 1 and --window ({cfg.window}), so "
                         "that every block of W iterations is judged at a validation")
     if cfg.teacher_success is not None and not 0 < cfg.teacher_success <= 1:

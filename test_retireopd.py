@@ -805,10 +805,33 @@ def test_bad_flags_fail_before_any_model_is_loaded(tmp_path):
                            (["--env-workers", "-1"], "--env-workers"),
                            (["--prefill-batch", "-1"], "--prefill-batch"),
                            (["--env", "alfworld", "--alfworld-data", str(tmp_path / "none")], "alfworld-download"),
-                           (["--env", "webshop", "--webshop-data", str(tmp_path)], "items_shuffle_1000.json")):
-        with pytest.raises(SystemExit, match=message):
+                           (["--env", "webshop", "--webshop-data", str(tmp_path)], "items_shuffle_1000.json"),
+                           # accepted silently once: nothing trains, an empty panel, all pairs but the first
+                           (["--ppo-epochs", "0"], "--ppo-epochs"), (["--eval-episodes", "0"], "--eval-episodes"),
+                           (["--history", "-1"], "--history"), (["--keep-checkpoints", "0"], "--keep-checkpoints"),
+                           (["--save-every", "-1"], "--save-every"), (["--logprob-chunk", "0"], "--logprob-chunk"),
+                           (["--clip-eps", "0"], "--clip-eps"), (["--grad-clip", "0"], "--grad-clip"),
+                           (["--success-reward", "0"], "--success-reward"),
+                           (["--eval-temperature", "-1"], "--eval-temperature"),
+                           (["--weight-decay", "-1"], "--weight-decay")):
+        with pytest.raises(SystemExit, match=message) as failure:
             R.main(["--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags])
+        assert "\n" not in str(failure.value.code), flags  # one mistake, one line (--window 0 once gave two)
     assert not (tmp_path / "x").exists()
+
+
+def test_webshop_data_error_names_the_flag(tmp_path):
+    with pytest.raises(SystemExit, match="--webshop-data DIR") as failure:
+        R.main(["--model", "tiny", "--env", "webshop", "--webshop-data", str(tmp_path), "--run-dir", str(tmp_path / "x")])
+    assert "data_dir or" not in str(failure.value.code)  # the Python argument, not what a user types
+
+
+def test_help_says_which_defaults_the_tiny_preset_replaces():
+    helps = {action.dest: action.help for action in R.build_parser()._actions}
+    for name, value in R.TINY_PRESET.items():
+        default = R.Config.__dataclass_fields__[name].default
+        assert f"[default: {default}; tiny: {value}]" in helps[name].replace("%%", "%"), name
+    assert helps["seed"].endswith("[default: 0]")  # a flag the preset leaves alone says nothing about tiny
 
 
 # ==================================================================================================

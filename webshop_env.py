@@ -87,8 +87,9 @@ DATA_HELP = (
     f"A WebShop data folder holds {PRODUCTS_FILE} and {ATTRIBUTES_FILE} "
     f"(optional: {HUMAN_INSTRUCTIONS_FILE}, {TITLE_NOUNS_FILE}). Get them with the "
     "setup script of princeton-nlp/WebShop (`./setup.sh -d small`), which downloads "
-    "them from the original project's Google Drive links, then pass the folder as "
-    "data_dir or set WEBSHOP_DATA. Without a folder the built-in catalogue is used."
+    "them from the original project's Google Drive links, then pass the folder "
+    "(retireopd.py --webshop-data DIR, or WebShop(data_dir=DIR)) or set WEBSHOP_DATA. "
+    "Without a folder the built-in catalogue is used."
 )
 
 # WebShop's five product categories, mapped to the skill blocks of the training
