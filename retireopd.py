@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import errno
 import gc
 import itertools
 import json
@@ -57,6 +58,7 @@ import multiprocessing
 import os
 import random
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -1972,13 +1974,91 @@ def build_adamw(model, cfg: Config) -> torch.optim.AdamW:
 # ==================================================================================================
 
 
-def read_jsonl(path: Path) -> list:
-    return [json.loads(line) for line in open(path)] if path.is_file() else []
+def read_jsonl(path: Path, note: bool = False) -> list:
+    """The records of a jsonl log ([] without the file). A last line cut short (a crash or a full
+    disk while it was written) is dropped, with a note when `note`; a damaged line before the
+    last is an error."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise SystemExit(f"retireopd: {path} line {number} is not JSON: the log is damaged before its last "
+                                 "line (repair or delete that line)") from None
+            if note:
+                print(f"[retireopd] note: the last line of {path} was cut short (a crash while it was written): "
+                      "dropped")
+    return records
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """path.write_text(text) that a crash cannot leave half-written: a temp file, then a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+RUN_IDENTITY = "run.json"  # what a run folder holds: written when the run starts, kept by --resume
+RUN_ENTRIES = (RUN_IDENTITY, "config.json", "metrics.jsonl", "events.jsonl", "eval.jsonl", "checkpoints",
+               "teacher", "student")  # any of these: the folder holds a run (of any version of this script)
+
+
+def holds_a_run(folder: Path) -> bool:
+    return any((Path(folder) / name).exists() for name in RUN_ENTRIES)
+
+
+def run_identity(folder: Path, cfg: Config) -> dict:
+    """The folder's run.json: which run it holds (an id, when it started, what it runs). Read when it
+    exists (a resumed run keeps its id), written otherwise. Checkpoints carry the id."""
+    path = folder / RUN_IDENTITY
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())
+    identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model}
+    write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
+    return identity
+
+
+def saved_model_problem(folder: Path) -> Optional[str]:
+    """Why a saved model folder is not whole, or None. Every .json file must parse and every
+    .safetensors file must be as long as its header says: a file cut short by a crash or a full
+    disk fails one of them. Cheap: the weights themselves are not read."""
+    weights = sorted(folder.glob("*.safetensors"))
+    if not (folder / "config.json").is_file() or not weights:
+        return "no config.json" if weights else "no .safetensors weights"
+    for path in sorted(folder.glob("*.json")):
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return f"{path.name} is cut short or damaged"
+    for path in weights:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(header_size)) if 8 + header_size <= size else None
+            except (ValueError, UnicodeDecodeError):
+                header = None
+        try:
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (AttributeError, KeyError, TypeError, IndexError):  # (a list or a string is no header either)
+            return f"{path.name} is cut short (its header is incomplete)"
+        if size < 8 + header_size + end:
+            return f"{path.name} is cut short ({size} of {8 + header_size + end} bytes)"
+    return None
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class Run:
     """The side effects of a run: its folder, the jsonl logs, models and checkpoints.
 
+    run_dir/run.json           which run the folder holds (its id; a new run refuses such a folder)
     run_dir/config.json        the resolved Config
     run_dir/metrics.jsonl      one line per training iteration (README: glossary)
     run_dir/events.jsonl       start, teacher ready, retirement, done
@@ -1986,17 +2066,38 @@ class Run:
     run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
     run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
     """
+    latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.dir = Path(cfg.run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        self.run_id = run_identity(self.dir, cfg)["run_id"]
+        write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         self.started = time.time()
+        Run.latest = self.dir
 
     def log(self, name: str, record: dict) -> None:
-        with open(self.dir / name, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.dir / name, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as error:
+            raise SystemExit(self.write_failure(name, error)) from None
+
+    def write_failure(self, name: str, error: Exception) -> str:
+        """The one line of a write into the run folder that failed (a full disk, a quota): what, why,
+        what is kept, what to do."""
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        free = shutil.disk_usage(self.dir).free
+        newest = (self.checkpoints() or [None])[-1]
+        needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
+        full = getattr(error, "errno", None) == errno.ENOSPC or "No space left" in reason or free < needed
+        kept = (f"the last checkpoint, {newest.name}, is kept: `--resume {self.dir}` continues from it" if newest
+                else "no checkpoint was written yet")
+        return (f"retireopd: could not write {self.dir / name} ({'the disk is full: ' if full else ''}{reason}; "
+                f"{format_bytes(free)} free there" + (f", a checkpoint takes {format_bytes(needed)}" if needed else "")
+                + f"); {kept}; free some space, or keep fewer checkpoints or write them less often with "
+                "--keep-checkpoints and --save-every (--resume accepts new values of both)")
 
     def save_model(self, model, tokenizer, name: str, extra: Optional[dict] = None,
                    trainer_state: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16) -> Path:
@@ -2007,17 +2108,22 @@ class Run:
         servable: vLLM's dtype=auto serves a float32 checkpoint in fp16, where Qwen2.5 breaks
         down); None keeps the fp32 master weights (resumable checkpoints). The live model is
         not changed."""
+        from safetensors import SafetensorError
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        if dtype is None:
-            model.save_pretrained(tmp)
-        else:
-            save_pretrained_as(model, tmp, dtype)
-        tokenizer.save_pretrained(tmp)
-        if extra is not None:
-            (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
-        if trainer_state is not None:
-            torch.save(trainer_state, tmp / "trainer.pt")
+        try:
+            if dtype is None:
+                model.save_pretrained(tmp)
+            else:
+                save_pretrained_as(model, tmp, dtype)
+            tokenizer.save_pretrained(tmp)
+            if extra is not None:
+                (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
+            if trainer_state is not None:
+                torch.save(trainer_state, tmp / "trainer.pt")
+        except (OSError, RuntimeError, SafetensorError) as error:  # torch says "unexpected pos" on a full disk
+            shutil.rmtree(tmp, ignore_errors=True)  # what was saved before stays as it was
+            raise SystemExit(self.write_failure(name, error)) from None
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         return final
@@ -2026,27 +2132,70 @@ class Run:
         """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints."""
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
         (self.dir / "checkpoints").mkdir(exist_ok=True)
-        self.save_model(model, tokenizer, name, trainer_state=state, dtype=None)
+        self.save_model(model, tokenizer, name, trainer_state={**state, "run_id": self.run_id}, dtype=None)
         for old in self.checkpoints()[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
     def checkpoints(self) -> list:
+        """The resumable checkpoints, oldest first (not one being written, nor one set aside)."""
         folder = self.dir / "checkpoints"
-        return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith(".tmp")) \
+        return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith((".tmp", ".corrupt"))) \
             if folder.is_dir() else []
 
-    def truncate_logs(self, phase: str, iteration: int) -> None:
-        """On resume: drop log lines of iterations after the checkpoint (they are redone)."""
+    def resumable_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
+        """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a
+        file cut short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a
+        note, and the one before it is tried."""
+        for folder in reversed(self.checkpoints()):
+            problem, state = saved_model_problem(folder), None
+            if problem is None:
+                try:
+                    state = torch.load(folder / "trainer.pt", weights_only=False, map_location="cpu")
+                except Exception as error:  # cut short, missing, not a torch file: not resumable either way
+                    problem = "trainer.pt does not load: " + (str(error).strip().splitlines() or ["?"])[0]
+            if problem is None and state.get("run_id", self.run_id) != self.run_id:
+                problem = f"it belongs to run {state['run_id']}, this folder holds run {self.run_id}"
+            if problem is None:
+                return folder, state
+            aside = folder.with_name(folder.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            folder.rename(aside)
+            print(f"[retireopd] note: checkpoint {folder.name} is not usable ({problem}): set aside as "
+                  f"{aside.name}; trying the one before it")
+        return None, None
+
+    def finished_phases(self) -> tuple:
+        """The phases whose final model this folder holds (teacher/, student/): a resume skips them."""
+        return tuple(phase for phase in PHASES if (self.dir / phase / "retireopd.json").is_file())
+
+    def truncate_logs(self, phase: str, iteration: int, finished: tuple = ()) -> None:
+        """On resume: drop the log lines of what the resumed run redoes, so that none appears twice:
+        every iteration after the checkpoint (phase, iteration), and the start and end (memory
+        estimate, report, teacher_ready) of every phase not in `finished`, the phases whose final
+        model is saved (they are not redone). A last line cut short by a crash is dropped, with a note."""
+        point = (PHASES.index(phase), iteration)
+        for saved in finished:  # a saved phase is complete, whichever checkpoint is used
+            point = max(point, (PHASES.index(saved), self.cfg.iterations - 1))
+
         def keep(record):
+            if record.get("panel") == "report":  # written after the phase's last checkpoint
+                return record["phase"] in finished
             done = (PHASES.index(record.get("phase", "teacher")), record.get("iteration", -1))
-            return done <= (PHASES.index(phase), iteration)
+            return done <= point
+
+        def keep_event(event):
+            if event["event"] == "retirement":
+                return keep({"phase": "student", "iteration": event["decided_after_iteration"]})
+            if event["event"] == "teacher_ready":
+                return "teacher" in finished
+            if event["event"] == "memory_estimate":  # "phase 1" / "phase 2": logged again when it restarts
+                return PHASES[int(event["phase"][-1]) - 1] in finished
+            return True
         for name in ("metrics.jsonl", "eval.jsonl"):
-            records = [r for r in read_jsonl(self.dir / name) if keep(r)]
-            (self.dir / name).write_text("".join(json.dumps(r) + "\n" for r in records))
-        events = [e for e in read_jsonl(self.dir / "events.jsonl")
-                  if e["event"] != "retirement" or keep({"phase": "student",
-                                                         "iteration": e["decided_after_iteration"]})]
-        (self.dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+            records = [r for r in read_jsonl(self.dir / name, note=True) if keep(r)]
+            write_text_atomically(self.dir / name, "".join(json.dumps(r) + "\n" for r in records))
+        events = [e for e in read_jsonl(self.dir / "events.jsonl", note=True) if keep_event(e)]
+        write_text_atomically(self.dir / "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
 
 
 def save_pretrained_as(model, folder: Path, dtype: torch.dtype) -> None:
@@ -2400,10 +2549,14 @@ def resume_config(run_dir: str, given: dict) -> Config:
     saved_file = Path(run_dir) / "config.json"
     if not saved_file.is_file():
         raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
-    saved = json.loads(saved_file.read_text())
+    try:
+        saved = json.loads(saved_file.read_text())
+    except ValueError:
+        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json is damaged (not JSON)") from None
     # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
-    # to resume a run that ran out of memory in a rollout); and S_T, for a run that stopped at S_T = 0
-    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success")
+    # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
+    # disk); and S_T, for a run that stopped at S_T = 0
+    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints")
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
                for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
@@ -2412,6 +2565,43 @@ def resume_config(run_dir: str, given: dict) -> Config:
     cfg = Config(**{**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir})
     validate_config(cfg)
     return cfg
+
+
+def teacher_folder_problem(folder: Path, env: str) -> Optional[str]:
+    """Why a saved phase-1 teacher cannot teach a run on `env`, or None: it must have been written by
+    phase 1 of this script (retireopd.json: S_T and the environment) on the same environment."""
+    try:
+        stored_env = json.loads((folder / "retireopd.json").read_text()).get("env")
+    except (OSError, ValueError):
+        return (f"{folder}: no retireopd.json (the stored teacher success rate) in that folder; pass a folder "
+                "written by phase 1 of this script")
+    return None if stored_env == env else f"{folder} was trained on {stored_env}, this run is --env {env}"
+
+
+def check_run_folder(run_dir: str, resuming: bool) -> None:
+    """Refuse, in one line and before anything is written, a run folder that cannot be used: one that
+    holds another run (unless resuming it), a file, or a place where nothing can be written (a
+    read-only disk, /proc). The write test leaves no trace."""
+    folder = Path(run_dir)
+    if not resuming and holds_a_run(folder):
+        raise SystemExit(f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose another "
+                         "`--run-dir`")
+    blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise SystemExit(f"retireopd: --run-dir {run_dir}: {blocking} is a file, not a folder")
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".retireopd-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise SystemExit(f"retireopd: --run-dir {run_dir}: cannot create or write a folder there "
+                         f"({error.strerror or error}): choose one on a writable disk") from None
+    finally:
+        for created in missing:
+            with contextlib.suppress(OSError):
+                created.rmdir()
 
 
 def validate_config(cfg: Config) -> None:
@@ -2468,13 +2658,8 @@ def validate_config(cfg: Config) -> None:
         problems.append("--teacher-success must be in (0, 1]")
     if cfg.retire_at is not None and (cfg.algo != "retireopd" or cfg.retire_at < 1):
         problems.append("--retire-at N needs --algo retireopd and N >= 1")
-    if cfg.teacher is not None and not (Path(cfg.teacher) / "retireopd.json").is_file():
-        problems.append(f"--teacher {cfg.teacher}: no retireopd.json (the stored teacher success "
-                        "rate) in that folder; pass a folder written by phase 1 of this script")
-    elif cfg.teacher is not None:
-        stored_env = json.loads((Path(cfg.teacher) / "retireopd.json").read_text()).get("env")
-        if stored_env != cfg.env:
-            problems.append(f"--teacher {cfg.teacher} was trained on {stored_env}, this run is --env {cfg.env}")
+    if cfg.teacher is not None and (problem := teacher_folder_problem(Path(cfg.teacher), cfg.env)):
+        problems.append(f"--teacher {problem}")
     if cfg.webshop_reward not in ("faithful", "fixed"):
         problems.append("--webshop-reward: faithful or fixed")
     if cfg.env_workers < 0:
@@ -2666,6 +2851,10 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         return out
     run_benchmark = args.pop("benchmark")
     cfg = resume_config(resume_dir, args) if resume_dir else parse_config(args)
+    if resume_dir and any(e.get("event") == "done" for e in read_jsonl(Path(resume_dir) / "events.jsonl")):
+        print(f"[retireopd] {resume_dir} already finished: nothing to resume (its outputs are there)")
+        return Path(resume_dir)
+    check_run_folder(cfg.run_dir, resuming=bool(resume_dir))
     if run_benchmark:
         report = benchmark(cfg)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
@@ -2697,13 +2886,12 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"retireopd: {error}") from None
     run = Run(cfg)
-    checkpoint, state = (run.checkpoints() or [None])[-1] if resume_dir else None, None
-    if checkpoint is not None:  # the optimizer state moves to the GPU when it is loaded into AdamW
-        state = torch.load(checkpoint / "trainer.pt", weights_only=False, map_location="cpu")
-        run.truncate_logs(state["phase"], state["iteration"])
-    elif resume_dir:  # interrupted before its first checkpoint: start over, dropping its logs
-        run.truncate_logs(PHASES[0], -1)
+    # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
+    # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.
+    checkpoint, state = run.resumable_checkpoint() if resume_dir else (None, None)
     if resume_dir:
+        run.truncate_logs(state["phase"] if state else PHASES[0], state["iteration"] if state else -1,
+                          finished=run.finished_phases())
         run.log("events.jsonl", {"event": "resume", "checkpoint": checkpoint.name if checkpoint else None})
         print(f"[retireopd] resuming {run.dir} from checkpoint {checkpoint.name}" if checkpoint else
               f"[retireopd] {run.dir} has no checkpoint yet (the first is written after "
@@ -2729,6 +2917,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
 
     # --- phase 1: Skill-GRPO teacher (or a saved one) ---------------------------------------------
     teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
+    if teacher_dir.is_dir() and (problem := teacher_folder_problem(teacher_dir, cfg.env)):  # a resume's own
+        raise SystemExit(f"retireopd: {problem}")
     if algorithm.teacher_phase and not (teacher_dir / "retireopd.json").is_file():
         policy, tokenizer, resume = policy_from("teacher")
         _, kl_coef = phase_protocol(cfg, with_teacher=False)
@@ -2742,11 +2932,12 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
             result = evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=skills,
                               desc=f"teacher report ({'skills' if skills else 'no skills'})")
             run.log("eval.jsonl", {"phase": "teacher", "iteration": cfg.iterations - 1, "panel": "report", **result})
+        run.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})  # (before the
+        # save: a resume that finds teacher/ saved finds this line too, one that does not drops it)
         run.save_model(policy, tokenizer, "teacher", {"teacher_success": teacher_success, "env": cfg.env,
                                                      "validations": validations[-2:]})
         del policy, resume, frozen
         gc.collect()
-        run.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
 
     # --- S_T: the teacher's validation success with skills ----------------------------------------
     teacher_success = None
@@ -2762,7 +2953,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
                              "fixed schedule with --retire-at N")
 
     # --- phase 2: the skill-free student ------------------------------------------------------------
-    if algorithm.student_phase:
+    if algorithm.student_phase and "student" not in run.finished_phases():  # (saved: a resume skips it)
         policy, tokenizer, resume = policy_from("student")
         retirement = None
         if algorithm.opd_loss:
@@ -2798,5 +2989,6 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        sys.exit("\n[retireopd] interrupted: continue with `python retireopd.py --resume RUN_DIR` "
-                 "(from the last checkpoint)")
+        resume = f"python retireopd.py --resume {shlex.quote(str(Run.latest))}"
+        sys.exit(f"\n[retireopd] interrupted: continue with `{resume}` (from the last checkpoint)" if Run.latest
+                 else "\n[retireopd] interrupted before the run folder was written: nothing to resume")

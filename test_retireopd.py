@@ -1330,17 +1330,280 @@ def test_sigkill_in_phase_two_then_resume_loses_and_repeats_nothing(tmp_path):
     assert "resume" in events and events[-1] == "done"
 
 
-def test_resume_before_the_first_checkpoint_starts_over_without_duplicates(tmp_path):
+class Crash(Exception):
+    """Stops a run where a kill would (raised in place of a save)."""
+
+
+def crash_instead_of_saving(monkeypatch, run_dir, flags, crash_at):
+    """Run QUICK + flags in run_dir until the first Run.save_model(name) (a checkpoint or a final
+    model) for which crash_at(name) is true: there the run stops, that save not even begun."""
+    real_save = R.Run.save_model
+
+    def save_model(self, model, tokenizer, name, *args, **kwargs):
+        if crash_at(name):
+            raise Crash(name)
+        return real_save(self, model, tokenizer, name, *args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(R.Run, "save_model", save_model)
+        with pytest.raises(Crash):
+            R.main(QUICK + ["--run-dir", str(run_dir), *flags])
+
+
+def test_resume_before_the_first_checkpoint_starts_over_without_duplicates(tmp_path, monkeypatch):
     run_dir = tmp_path / "early"
-    flags = QUICK + ["--env", "webshop", "--algo", "grpo", "--run-dir", str(run_dir)]
-    R.main(flags)
-    shutil.rmtree(run_dir / "checkpoints")  # as if killed before any checkpoint was written
+    # --save-every 0: the first checkpoint would be the last iteration's; the run dies there instead
+    crash_instead_of_saving(monkeypatch, run_dir, ["--env", "webshop", "--algo", "grpo", "--save-every", "0"],
+                            lambda name: name.startswith("checkpoints/"))
+    assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
     R.main(["--resume", str(run_dir)])
     assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
     with pytest.raises(SystemExit, match="--group-size"):  # a resume may not change the config
         R.main(["--resume", str(run_dir), "--group-size", "4"])
     assert R.resume_config(str(run_dir), {"env_workers": 3}).env_workers == 3  # only how it runs
     assert R.resume_config(str(run_dir), {"prefill_batch": 4}).prefill_batch == 4  # e.g. after running out of memory
+
+
+# --- the run folder: what it holds, a damaged one, places it cannot be, write failures ------------
+
+def folder_snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
+    run_dir, _, _ = run_cli(tmp_path, "R", "--env", "webshop")
+    before = folder_snapshot(run_dir)
+    refusal = f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose another `--run-dir`"
+    # another run (once: its student distilled from the WebShop teacher), then the same command twice
+    for flags in (["--env", "alfworld", "--iterations", "4"], ["--env", "webshop"]):
+        with pytest.raises(SystemExit) as failure:
+            R.main(QUICK + ["--run-dir", str(run_dir), *flags])
+        assert failure.value.code == refusal
+    assert folder_snapshot(run_dir) == before  # config, logs, checkpoints, teacher: untouched
+    assert json.loads((run_dir / "run.json").read_text())["env"] == "webshop"  # what the folder holds
+    legacy = tmp_path / "older"  # a run folder written before run.json existed
+    legacy.mkdir()
+    (legacy / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="holds a run"):
+        R.main(QUICK + ["--env", "webshop", "--run-dir", str(legacy)])
+
+
+def test_resume_checks_the_environment_of_the_runs_own_teacher(tmp_path):
+    run_dir = tmp_path / "stopped"
+    without_s_t = QUICK[:QUICK.index("--teacher-success")]
+    with pytest.raises(SystemExit, match="S_T = 0"):  # the random teacher: phase 1 ends, phase 2 cannot start
+        R.main(without_s_t + ["--env", "webshop", "--run-dir", str(run_dir)])
+    stored = json.loads((run_dir / "teacher" / "retireopd.json").read_text())
+    (run_dir / "teacher" / "retireopd.json").write_text(json.dumps({**stored, "env": "alfworld"}))  # another env's
+    with pytest.raises(SystemExit, match="trained on alfworld, this run is --env webshop"):
+        R.main(["--resume", str(run_dir), "--teacher-success", "0.5"])
+
+
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    run_dir, _, _ = run_cli(tmp_path, "finished", "--env", "webshop", "--algo", "grpo")
+    before = folder_snapshot(run_dir)
+    capsys.readouterr()
+    assert R.main(["--resume", str(run_dir)]) == run_dir  # exits 0
+    said = capsys.readouterr().out
+    assert said == f"[retireopd] {run_dir} already finished: nothing to resume (its outputs are there)\n"
+    assert folder_snapshot(run_dir) == before  # no second evaluation, no second `done`
+
+
+def test_a_crash_while_saving_the_teacher_then_resume_logs_each_line_once(tmp_path, monkeypatch):
+    flags = ["--env", "webshop", "--algo", "skill-grpo"]
+    reference, _, _ = run_cli(tmp_path, "reference", *flags)
+    run_dir = tmp_path / "crashed"
+    crash_instead_of_saving(monkeypatch, run_dir, flags, lambda name: name == "teacher")  # after its reports
+    R.main(["--resume", str(run_dir)])
+
+    def logged(folder):
+        evals = [(e["phase"], e["iteration"], e["panel"], e["skills"], e["overall"])
+                 for e in R.read_jsonl(folder / "eval.jsonl")]
+        return evals, [e["event"] for e in R.read_jsonl(folder / "events.jsonl") if e["event"] != "resume"]
+    assert logged(run_dir) == logged(reference)  # the reports, teacher_ready, the memory estimate: once each
+
+
+def cut_in_half(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_resume_sets_damaged_checkpoints_aside_and_drops_a_cut_last_log_line(tmp_path, monkeypatch, capsys):
+    flags = ["--env", "webshop", "--algo", "grpo", "--iterations", "4", "--keep-checkpoints", "3"]
+    reference, _, _ = run_cli(tmp_path, "reference", *flags)
+    run_dir = tmp_path / "damaged"
+    crash_instead_of_saving(monkeypatch, run_dir, flags, lambda name: name == "checkpoints/1-student-00003")
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["1-student-00000", "1-student-00001", "1-student-00002"]
+    cut_in_half(checkpoints / "1-student-00002" / "trainer.pt")  # a crash or a full disk while writing them
+    cut_in_half(checkpoints / "1-student-00001" / "model.safetensors")
+    shutil.copytree(reference / "checkpoints" / "1-student-00003", checkpoints / "1-student-00003")  # another run's
+    for name in ("metrics.jsonl", "events.jsonl"):
+        with open(run_dir / name, "a") as f:
+            f.write('{"phase": "student", "itera')  # killed in the middle of a line
+    capsys.readouterr()
+    R.main(["--resume", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "checkpoint 1-student-00003 is not usable (it belongs to run" in out
+    assert "checkpoint 1-student-00002 is not usable (trainer.pt does not load" in out
+    assert "checkpoint 1-student-00001 is not usable (model.safetensors is cut short" in out
+    assert f"the last line of {run_dir / 'metrics.jsonl'} was cut short" in out
+    assert f"the last line of {run_dir / 'events.jsonl'} was cut short" in out
+    assert "resuming" in out and "from checkpoint 1-student-00000" in out
+    assert {p.name for p in checkpoints.iterdir()} >= {f"1-student-0000{k}.corrupt" for k in (1, 2, 3)}
+    # iterations 1-3 were redone from the intact checkpoint: the same run as the uninterrupted one
+    assert comparable(R.read_jsonl(run_dir / "metrics.jsonl")) == comparable(R.read_jsonl(reference / "metrics.jsonl"))
+    ours = R.load_policy(str(run_dir / "student"), torch.device("cpu"), torch.float32)[0].state_dict()
+    theirs = R.load_policy(str(reference / "student"), torch.device("cpu"), torch.float32)[0].state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert [e["event"] for e in R.read_jsonl(run_dir / "events.jsonl")].count("done") == 1
+
+
+def test_read_jsonl_drops_only_a_cut_last_line(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"iteration": 0}\n{"iteration": 1}\n{"itera')
+    assert R.read_jsonl(log) == [{"iteration": 0}, {"iteration": 1}]
+    log.write_text('{"iteration": 0}\n{"itera\n{"iteration": 2}\n')  # damaged before the last line: not guessed at
+    with pytest.raises(SystemExit, match="line 2 is not JSON"):
+        R.read_jsonl(log)
+
+
+def test_saved_model_problem_finds_a_half_written_safetensors_file(tiny, tmp_path):
+    model, tok = tiny
+    folder = R.Run(small_cfg(run_dir=str(tmp_path))).save_model(model, tok, "student")
+    assert R.saved_model_problem(folder) is None
+    cut_in_half(folder / "model.safetensors")
+    assert "model.safetensors is cut short" in R.saved_model_problem(folder)
+    with open(folder / "model.safetensors", "r+b") as f:  # cut inside its header
+        f.truncate(20)
+    assert "header is incomplete" in R.saved_model_problem(folder)
+
+
+def test_unwritable_run_folders_are_one_line_errors_before_anything_runs(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for run_dir, message in ((a_file, f"{a_file} is a file, not a folder"),
+                             (a_file / "run", f"{a_file} is a file, not a folder"),
+                             (Path("/proc/retireopd-run"), "cannot create or write a folder there")):
+        with pytest.raises(SystemExit) as failure:
+            R.main(QUICK + ["--env", "webshop", "--run-dir", str(run_dir)])
+        assert str(failure.value.code).startswith(f"retireopd: --run-dir {run_dir}: {message}")
+        assert "\n" not in str(failure.value.code)
+
+
+def private_tmpfs_command(tmp_path, options, command):
+    """`command` run with a fresh tmpfs (mount `options`) on tmp_path/mnt, in a private mount
+    namespace (nothing outlives the process), or None where this machine does not allow one."""
+    import subprocess
+    mount = tmp_path / "mnt"
+    mount.mkdir(exist_ok=True)
+    wrapper = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o "$0" none "$1" && shift && exec "$@"', options,
+               str(mount)]
+    if shutil.which("unshare") is None or subprocess.run([*wrapper, "true"], capture_output=True).returncode != 0:
+        return None
+    return [*wrapper, *command]
+
+
+def test_a_read_only_disk_is_a_one_line_error(tmp_path):
+    import subprocess
+    run_dir = tmp_path / "mnt" / "run"
+    command = private_tmpfs_command(tmp_path, "ro,size=1m", [sys.executable, "retireopd.py", *QUICK, "--env",
+                                                             "webshop", "--run-dir", str(run_dir)])
+    if command is None:  # (as root, chmod does not stop writes: a read-only mount is the real thing)
+        pytest.skip("no private mount namespace here (unshare -rm) for a real read-only filesystem")
+    done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        f"retireopd: --run-dir {run_dir}: cannot create or write a folder there (Read-only file system): "
+        "choose one on a writable disk")
+
+
+FULL_DISK_DRIVER = """
+import json, os, resource, signal, sys
+from pathlib import Path
+import retireopd as R
+run_dir, how, summary, flags = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+ballast, soft_limit = run_dir.parent / "ballast", resource.getrlimit(resource.RLIMIT_FSIZE)
+real_checkpoint, filled = R.Run.checkpoint, []
+
+def checkpoint(self, *args, **kwargs):  # after the first checkpoint, the disk fills up (once)
+    real_checkpoint(self, *args, **kwargs)
+    if filled:
+        return
+    filled.append(how)
+    if how == "fsize":  # files stop growing at 512 KiB: the write fails as on a full disk (EFBIG, not ENOSPC)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, soft_limit[1]))
+        return
+    # room for the log lines and the next checkpoint's weights, not for its trainer.pt: torch.save fails
+    # ("unexpected pos", as reported), after safetensors succeeded
+    newest = self.checkpoints()[-1]
+    room = sum(f.stat().st_size for f in newest.iterdir() if f.name != "trainer.pt") + 256 * 1024
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError:  # full
+        os.ftruncate(fd, max(0, os.fstat(fd).st_size - room))
+    os.close(fd)
+
+R.Run.checkpoint = checkpoint
+try:
+    R.main(flags + ["--run-dir", str(run_dir)])
+    message = None
+except SystemExit as stop:
+    message = str(stop.code)
+left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+kept_whole = all(R.saved_model_problem(run_dir / "checkpoints" / name) is None for name in left)
+ballast.unlink(missing_ok=True)  # make room again, then resume
+resource.setrlimit(resource.RLIMIT_FSIZE, soft_limit)
+R.main(["--resume", str(run_dir)])
+metrics = [(m["phase"], m["iteration"]) for m in R.read_jsonl(run_dir / "metrics.jsonl")]
+Path(summary).write_text(json.dumps({"message": message, "left": left, "kept_whole": kept_whole, "metrics": metrics}))
+"""
+
+
+@pytest.mark.parametrize("how", ["tmpfs", "fsize"])
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_what_to_do(tmp_path, how):
+    import subprocess
+    flags = QUICK + ["--env", "webshop", "--algo", "grpo"]
+    summary = tmp_path / "summary.json"
+    driver = [sys.executable, "-c", FULL_DISK_DRIVER]
+    run_dir = tmp_path / "mnt" / "run"
+    if how == "tmpfs":  # a real full disk: a small tmpfs filled up after the first checkpoint
+        command = private_tmpfs_command(tmp_path, "size=64m", driver)
+        if command is None:
+            pytest.skip("no private mount namespace here (unshare -rm) for a small filesystem to fill")
+    else:
+        command = driver
+    done = subprocess.run([*command, str(run_dir), how, str(summary), json.dumps(flags)], cwd=Path(__file__).parent,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    message = result["message"]
+    assert message.startswith(f"retireopd: could not write {run_dir / 'checkpoints' / '1-student-00001'} (")
+    assert ("the disk is full: " in message) == (how == "tmpfs")  # (fsize: "File too large", the disk has room)
+    assert (f"the last checkpoint, 1-student-00000, is kept: `--resume {run_dir}` continues from it" in message
+            and "--keep-checkpoints" in message and "--save-every" in message and "\n" not in message)
+    assert result["left"] == ["1-student-00000"] and result["kept_whole"]  # no half-written one left
+    assert result["metrics"] == [["student", k] for k in range(3)]  # resumed, nothing twice
+
+
+def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
+    import signal
+    import subprocess
+    import time as time_module
+    run_dir = tmp_path / "my run"  # a space: the command must still be one to copy
+    process = subprocess.Popen([sys.executable, "retireopd.py", *QUICK, "--env", "webshop", "--algo", "grpo",
+                                "--iterations", "50", "--run-dir", str(run_dir)], cwd=Path(__file__).parent,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time_module.time() + 120
+    while time_module.time() < deadline and process.poll() is None and not R.read_jsonl(run_dir / "metrics.jsonl"):
+        time_module.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (f"[retireopd] interrupted: continue with `python retireopd.py "
+                                               f"--resume '{run_dir}'` (from the last checkpoint)")
 
 
 def test_non_finite_loss_skips_the_optimizer_step(tiny):
