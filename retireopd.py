@@ -50,6 +50,7 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import functools
 import gc
 import itertools
 import json
@@ -1141,6 +1142,82 @@ def resolve_model_name(name: str) -> str:
     return MODEL_ALIASES.get(name, name)
 
 
+HUB_TIMEOUT_S = 5  # the one question asked of the hub before loading: answered or given up quickly, no retries
+OFFLINE_MODELS = "tiny or random:<alias> (no download needed)"
+
+
+def hub_model_cached(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds repo_id's config and weights (loadable without network)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    try:
+        cached = [isinstance(try_to_load_from_cache(repo_id, name), str)
+                  for name in ("config.json", "model.safetensors", "model.safetensors.index.json")]
+    except HFValidationError:  # not a hub id at all
+        return False
+    return cached[0] and (cached[1] or cached[2])
+
+
+@functools.lru_cache(maxsize=None)
+def hub_answer(repo_id: str) -> str:
+    """What the Hugging Face hub says about repo_id, asked once per process with a short timeout and
+    no retries: "found", "missing", "offline" (HF_HUB_OFFLINE is set) or "unreachable: <why>"."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "offline"
+    try:
+        huggingface_hub.HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except RepositoryNotFoundError:  # (also a private or gated one without the right login)
+        return "missing"
+    except HfHubHTTPError:  # another answer (a server error, a mirror without this API): loading will tell
+        return "found"
+    except Exception as error:  # no network, no name resolution, a refused or timed-out connection, a proxy
+        return "unreachable: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return "found"
+
+
+def model_source_problem(name: str) -> Optional[str]:
+    """Why --model `name` cannot be loaded, in one line that says what to do, or None. Decided in
+    seconds and before anything is written: a local folder must hold a config.json, a hub id must
+    be in the Hugging Face cache or known to the hub (asked once, HUB_TIMEOUT_S). With network
+    nothing else changes: from_pretrained downloads as usual."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+    if name == "tiny" or name.startswith("random:"):
+        return None
+    source = resolve_model_name(name)
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        return None if (folder / "config.json").is_file() else (
+            f"--model {name}: {folder} has no config.json, so it is not a Hugging Face model folder (a run's "
+            "teacher/ or student/ is one)")
+    if folder.exists():
+        return f"--model {name}: {folder} is a file; pass the folder that holds the model and its config.json"
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:  # written as a path, not as org/name
+        return (f"--model {name}: no such folder; pass a folder that holds a Hugging Face model (config.json), "
+                f"a hub id (org/name), or use {OFFLINE_MODELS}")
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return f"--model {name}: neither a local folder nor a hub id (org/name); or use {OFFLINE_MODELS}"
+    if hub_model_cached(source):
+        return None
+    answer, cache = hub_answer(source), constants.HF_HUB_CACHE
+    if answer == "missing":
+        return (f"--model {name}: no local folder {source} and no model {source} on the Hugging Face hub: check "
+                f"the name (org/name) or the folder's path (a private or gated model needs `hf auth login`)")
+    if answer == "offline":
+        return (f"--model {name}: {source} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+                f"download it once with network, pass a local model folder, or use {OFFLINE_MODELS}")
+    if answer.startswith("unreachable"):
+        return (f"--model {name}: cannot reach the Hugging Face hub at {constants.ENDPOINT} ({answer[13:]}) and "
+                f"{source} is not in its cache ({cache}): connect to the network, pass a local model folder, or use "
+                f"{OFFLINE_MODELS}; HF_HUB_OFFLINE=1 loads cached models without asking the hub")
+    return None
+
+
 def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """(model, tokenizer) for a hub id, local folder, alias, `random:<alias>` or `tiny`.
 
@@ -1162,8 +1239,12 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
             model = transformers.Qwen2ForCausalLM(config).to(dtype)
     else:
         path = resolve_model_name(name)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # a cached hub model while the hub cannot be reached: straight from the cache (asking the hub
+        # first would retry for minutes)
+        cached_only = (not Path(path).is_dir() and hub_model_cached(path)
+                       and hub_answer(path).startswith("unreachable"))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation continues at the right edge of every prompt
@@ -2854,6 +2935,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     if resume_dir and any(e.get("event") == "done" for e in read_jsonl(Path(resume_dir) / "events.jsonl")):
         print(f"[retireopd] {resume_dir} already finished: nothing to resume (its outputs are there)")
         return Path(resume_dir)
+    if problem := model_source_problem(cfg.model):  # before the data and before anything is written
+        raise SystemExit(f"retireopd: {problem}")
     check_run_folder(cfg.run_dir, resuming=bool(resume_dir))
     if run_benchmark:
         report = benchmark(cfg)
