@@ -103,7 +103,7 @@ ALGORITHMS = {
 }
 ALGOS = tuple(ALGORITHMS)
 PHASES = ("teacher", "student")
-ENVS = ("alfworld", "webshop")
+ENVS = ("alfworld", "webshop", "kitchen")
 MODEL_ALIASES = {
     "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
     "Qwen2.5-3B": "Qwen/Qwen2.5-3B-Instruct",
@@ -116,7 +116,7 @@ class Config:
     # --- what to run -----------------------------------------------------------------------------
     model: str = "Qwen2.5-1.5B"  # hub id, local folder, alias (Qwen2.5-1.5B/3B/7B), random:<alias>, tiny
     algo: str = "retireopd"  # retireopd | grpo | skill-grpo | opd | grpo+opd (README: Algorithms)
-    env: str = "alfworld"  # alfworld | webshop (the `tiny` preset switches to webshop)
+    env: str = "alfworld"  # alfworld | webshop | kitchen (the offline demo's; the `tiny` preset's default)
     alfworld_data: Optional[str] = None  # root with json_2.1.1/ (default $ALFWORLD_DATA, else
     #   ~/.cache/alfworld); "fixtures" writes and plays our own tiny games (the tiny preset's default)
     webshop_data: Optional[str] = None  # folder with the official WebShop files (default $WEBSHOP_DATA,
@@ -126,9 +126,13 @@ class Config:
     retire_at: Optional[int] = None  # fixed-schedule retirement at this phase-2 iteration (ablation)
     run_dir: Optional[str] = None  # output folder (default runs/<env>-<algo>-<time>)
     seed: int = 0  # seeds task sampling, rollouts and the tiny/random: model weights
+    warm_start: int = 0  # tiny only: behaviour-cloning steps that teach the answer format and reading
+    #   a skill block, on invented dishes (README: the offline demo); 0: the random tiny model
     device: str = "auto"  # auto | cuda | cuda:N | cpu
     # --- rollout -------------------------------------------------------------------------------
-    iterations: int = 150  # training iterations per phase (verl-agent protocol)
+    iterations: int = 150  # training iterations per phase (the authors' protocol)
+    teacher_iterations: Optional[int] = None  # phase 1's, if different (None, or --iterations given
+    #   alone: the same as --iterations)
     batch_tasks: int = 16  # B: tasks per iteration
     group_size: int = 8  # G: rollouts per task; a GRPO group
     max_turns: Optional[int] = None  # None -> 50 (ALFWorld) / 15 (WebShop)
@@ -143,6 +147,8 @@ class Config:
     success_reward: float = 10.0  # R_i for a won episode
     # --- update ----------------------------------------------------------------------------------
     lr: float = 1e-6  # AdamW learning rate (the authors' scripts)
+    lr_warmup_steps: int = 0  # linear learning-rate warm-up over a phase's first N optimizer steps (the
+    #   authors': none)
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # gradient-norm clipping
     clip_eps: float = 0.2  # PPO clip
@@ -180,9 +186,9 @@ class Config:
 # `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
 # a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
 TINY_PRESET = dict(
-    env="webshop", alfworld_data="fixtures", iterations=10, batch_tasks=2, group_size=4, max_turns=4,
-    max_response_tokens=32, max_prompt_tokens=4096, mini_batch=16, opd_mini_batch=16, window=3,
-    eval_every=3, eval_episodes=4, lr=1e-4,
+    env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
+    group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=16, opd_mini_batch=16,
+    window=3, eval_every=3, lr=5e-4, lr_warmup_steps=30, entropy_coef=0.0, kl_coef=0.0, opd_coef=0.1,
 )
 
 # ==================================================================================================
@@ -245,22 +251,42 @@ WEBSHOP_SKILLS = {
     "electronics": ["Match the device it is for, the capacity and the connector type in the title."],
 }
 
+# The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, an ingredient and
+# a way to cook it, and nothing in the task says which. The skills name it, so in this kitchen the
+# skills are decisive by construction: a teacher that reads them can win from the first try, a
+# student without them must learn every recipe from reward (or from the teacher).
+KITCHEN_INGREDIENTS = ("salt", "sugar", "pepper", "honey")
+KITCHEN_METHODS = ("boil", "bake", "fry", "chill")
+KITCHEN_RECIPES = {"brask": ("honey", "fry"), "dorl": ("salt", "chill"), "fimble": ("pepper", "bake"),
+                   "grue": ("sugar", "boil"), "nallow": ("salt", "bake"), "trisk": ("honey", "chill")}
+
+
+def kitchen_recipe(dish: str, ingredient: str, method: str) -> str:
+    return f"Recipe for a {dish}: {ingredient.capitalize()} it, then {method.capitalize()} it."
+
+
+KITCHEN_SKILLS = {
+    "general": ["First season the dish, then cook it, both as its recipe says; a wrong choice ruins the dish."],
+    **{dish: [kitchen_recipe(dish, *recipe)] for dish, recipe in KITCHEN_RECIPES.items()},
+}
+SKILLS = {"alfworld": ALFWORLD_SKILLS, "webshop": WEBSHOP_SKILLS, "kitchen": KITCHEN_SKILLS}
+
 FORMAT_INSTRUCTION = (
     "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
-    "<action> </action>, for example: <think>...</think><action>go to cabinet 1</action>"
+    "<action> </action>."
 )
 # One line that says where the agent is; the prompt is a lone user message (no system turn of ours:
 # a Qwen2.5-Instruct chat template then adds its own default system turn, as in the authors' runs).
 ENV_INTRO = {
     "alfworld": "You are an agent in ALFWorld, a text-based household.",
     "webshop": "You are an agent shopping in WebShop, a text-based web store.",
+    "kitchen": "You are a cook in a text-based kitchen.",
 }
 
 
 def skill_text(env_name: str, task_type: str) -> str:
     """The teacher's privileged skill block for one task: general rules + the task type's rules."""
-    skills = ALFWORLD_SKILLS if env_name == "alfworld" else WEBSHOP_SKILLS
-    rules = skills["general"] + skills.get(task_type, [])
+    rules = SKILLS[env_name]["general"] + SKILLS[env_name].get(task_type, [])
     return "Skills for this task:\n" + "\n".join(f"- {rule}" for rule in rules)
 
 
@@ -1019,6 +1045,51 @@ class WebShopEpisode:
         return info["compact_obs"], (self.success_reward if won else 0.0), done, self._info(info, won)
 
 
+# ----- The kitchen: the offline demo's environment --------------------------------------------------
+# A task is `dish index * 1000 + variant`; the variant only shuffles the order of the admissible
+# actions, so that their position says nothing. Training variants 0-99, panels 500 onwards.
+class KitchenEpisode:
+    """One dish in the kitchen, in the interface above: two decisions, an ingredient ("season
+    the brask with honey") and a way to cook ("cook the brask by frying"). The right one moves on,
+    a wrong admissible one ruins the dish (the episode ends, lost), an inadmissible command
+    changes nothing. Won: both right, reward `success_reward`. The commands name the dish just
+    before the choice, as ALFWorld's commands name their objects."""
+
+    def __init__(self, task: int, success_reward: float, recipes: Optional[dict] = None):
+        self.recipes = recipes or KITCHEN_RECIPES
+        self.task, self.dish = task, sorted(self.recipes)[task // 1000]
+        self.success_reward = success_reward
+
+    def _info(self, won: bool = False) -> dict:
+        return {"task": f"cook a {self.dish}", "task_type": self.dish, "admissible": list(self.admissible),
+                "won": won}
+
+    def _offer(self, actions: list) -> None:
+        self.admissible = list(actions)
+        self.order.shuffle(self.admissible)
+
+    def reset(self):
+        self.step_index, self.done = 0, False
+        self.order = random.Random(self.task)  # the admissible order of this task's two steps
+        self._offer([f"{ingredient} the {self.dish}" for ingredient in KITCHEN_INGREDIENTS])
+        return "You stand at the stove. The pot is empty.", self._info()
+
+    def step(self, action: str):
+        ingredient, method = self.recipes[self.dish]
+        right = f"{ingredient} the {self.dish}" if self.step_index == 0 else f"{method} the {self.dish}"
+        if self.done or action not in self.admissible:
+            return "Nothing happens.", 0.0, self.done, self._info()
+        if action != right:
+            self.done, self.admissible = True, []
+            return f"The {self.dish} is ruined.", 0.0, True, self._info()
+        if self.step_index == 0:
+            self.step_index = 1
+            self._offer([f"{m} the {self.dish}" for m in KITCHEN_METHODS])
+            return f"The {self.dish} is seasoned with {ingredient}.", 0.0, False, self._info()
+        self.done, self.admissible = True, []
+        return f"The {self.dish} is ready!", self.success_reward, True, self._info(won=True)
+
+
 class TaskSuite:
     """The tasks of one benchmark: a training pool, two fixed panels, an episode factory.
 
@@ -1043,6 +1114,11 @@ class TaskSuite:
             self.report_panel = alfworld_eval_panel(root, splits, max_episodes=cap)
             if cfg.env_workers > 0:
                 self.workers = AlfWorldWorkers(cfg.env_workers)
+        elif cfg.env == "kitchen":
+            dishes = range(len(KITCHEN_RECIPES))
+            self.train = [d * 1000 + v for d in dishes for v in range(100)]
+            self.validation_panel = [d * 1000 + 500 + v for v in range(2) for d in dishes][:cap]
+            self.report_panel = [d * 1000 + 500 + v for v in range(4) for d in dishes][:cap]
         else:
             import webshop_env
             self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
@@ -1054,6 +1130,8 @@ class TaskSuite:
     def task_type(self, task) -> str:
         if self.cfg.env == "alfworld":
             return alfworld_task_type(task)
+        if self.cfg.env == "kitchen":
+            return sorted(KITCHEN_RECIPES)[task // 1000]
         import webshop_env  # WebShop's raw categories (grocery, garden, ...) -> our skill blocks
         category = self.shop.goals[task]["category"]
         return webshop_env.SKILL_CATEGORY.get(category, category)
@@ -1063,6 +1141,8 @@ class TaskSuite:
         group) picks the worker process that will own it."""
         if self.cfg.env == "webshop":
             return WebShopEpisode(self.shop, task, self.cfg.success_reward)
+        if self.cfg.env == "kitchen":
+            return KitchenEpisode(task, self.cfg.success_reward)
         if self.workers is not None:
             worker = slot % len(self.workers.processes)
             return RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
@@ -1096,15 +1176,95 @@ QWEN25_SHAPES = {
 QWEN25_SHAPES["small-vocab151k"] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          vocab_size=151936, tie_word_embeddings=True)
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=True)
+# two layers of 16 small heads: reading a skill block (finding the one capitalised ingredient among
+# ~130 tokens) was learned within the warm start by this shape, not by 4 layers of 4 heads (measured)
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=16,
+                  num_key_value_heads=16, tie_word_embeddings=True)
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def build_tiny_tokenizer(vocab_size: int = 512):
+# ----- The tiny model's warm start: what a pretrained LLM already brings, and nothing more --------
+# A randomly initialised model cannot write `<think>...</think><action>...</action>` nor read a
+# skill block, and RL cannot find either from scratch in CPU minutes. --warm-start N teaches both
+# by behaviour cloning on kitchen prompts with *invented* dishes and *random* recipes: the answer
+# is the step the recipe in the skill block names. The demo's own dishes never appear, so the
+# warm-started model knows no recipe: without skills it picks among the admissible actions at
+# chance, and everything the student gains above chance is learned by RL and OPD. Half of the
+# examples are short prompts (the recipe line and the admissible actions), where reading is
+# learned quickly, half the full prompts.
+WARM_START_DISHES = ("brindle", "clomp", "drubble", "fennick", "gorse", "hoplin", "jibber", "krell",
+                     "lummox", "nubbin", "pordle", "quorn")
+_known = random.Random(12345)  # the recipes the warm-started model "knows": other dishes than the demo's
+WARM_START_UNKNOWN = ("arbel", "bosk", "cwill", "dimp", "eskar", "flon", "gwint", "harl", "irple",
+                      "jusk", "kemp", "loam")
+WARM_START_RECIPES = {dish: (_known.choice(KITCHEN_INGREDIENTS), _known.choice(KITCHEN_METHODS))
+                      for dish in WARM_START_DISHES}
+WARM_START_ANSWER = "<think>the next step</think><action>{}</action>"
+
+
+def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
+    """(user message, answer) of one warm-start example: a random recipe for an invented dish.
+
+    kind "short": the recipe line and the admissible actions; "skills": the full teacher prompt;
+    "plain": the full prompt without skills, answered with a random admissible action (with no
+    recipe to read, any step is a guess: the model stays uncertain, and so explores).
+    """
+    if kind == "known":  # a dish the model knows, with its known recipe
+        dish = rng.choice(WARM_START_DISHES)
+        ingredient, method = WARM_START_RECIPES[dish]
+    elif kind == "unknown":  # a dish it has never heard of, the demo's among them: it guesses
+        dish = rng.choice(WARM_START_UNKNOWN + tuple(KITCHEN_RECIPES))
+        ingredient, method = rng.choice(KITCHEN_INGREDIENTS), rng.choice(KITCHEN_METHODS)
+    else:  # reading: a random recipe for any dish, the demo's included (it says nothing of theirs)
+        dish = rng.choice(WARM_START_DISHES + tuple(KITCHEN_RECIPES))
+        ingredient, method = rng.choice(KITCHEN_INGREDIENTS), rng.choice(KITCHEN_METHODS)
+    recipes = {dish: (ingredient, method)}
+    episode = KitchenEpisode(rng.randrange(1000), 0.0, recipes)  # dish index 0: the invented dish
+    observation, info = episode.reset()
+    history, right = [], f"{ingredient} the {dish}"
+    if kind not in ("short", "skills") and rng.random() < 0.5:  # the second step (reading: first only)
+        history = [(observation, right)]
+        observation, _, _, info = episode.step(right)
+        right = f"{method} the {dish}"
+    recipe = "- " + kitchen_recipe(dish, ingredient, method)
+    if kind == "short":
+        message = recipe + "\n\nAdmissible actions: " + ", ".join(f"'{a}'" for a in info["admissible"])
+    else:
+        skills = f"Skills for this task:\n- {KITCHEN_SKILLS['general'][0]}\n{recipe}" if kind == "skills" else ""
+        message = build_user_message("kitchen", info["task"], len(history), history, observation,
+                                     info["admissible"], skills)
+    return message, WARM_START_ANSWER.format(right)
+
+
+def warm_start(model, tokenizer, steps: int, seed: int, batch: int = 32, lr: float = 3e-3) -> dict:
+    """Behaviour cloning of `steps` AdamW steps on warm_start_example answers (token mean of
+    -log p over the answer tokens). Deterministic per seed. Returns the first and last losses."""
+    rng = random.Random(seed)
+    cfg = Config(model="tiny", env="kitchen", token_budget=1 << 30)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step in tqdm(range(steps), desc="warm start", leave=False, disable=not sys.stderr.isatty()):
+            examples = [warm_start_example(rng, rng.choice(("short", "skills", "known", "unknown")))
+                        for _ in range(batch)]
+            prompts = [encode_prompt(tokenizer, message) for message, _ in examples]
+            answers = [tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+                       for _, answer in examples]
+            loss = -response_logprobs(model, prompts, answers, cfg).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    return {"steps": steps, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+
+
+def build_tiny_tokenizer(vocab_size: int = 1024):
     """A Qwen2 tokenizer (byte-level BPE, Qwen's pre-tokenizer, ChatML) with a vocabulary trained
     in code on our own prompt text: deterministic, no download, and it saves and reloads as the
     same Qwen2Tokenizer. Byte-level: any text round-trips, CJK included.
@@ -1112,8 +1272,13 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     corpus = [*ENV_INTRO.values(), FORMAT_INSTRUCTION, "<think></think><action></action> search[ click[ ] [SEP]"]
-    for skills in (ALFWORLD_SKILLS, WEBSHOP_SKILLS):
+    for skills in SKILLS.values():
         corpus += [rule for rules in skills.values() for rule in rules]
+    rng = random.Random(0)  # kitchen prompts and answers, so that their words are single tokens
+    corpus += [text for _ in range(60) for text in warm_start_example(rng, "skills")]
+    corpus += 20 * [f"cook a {dish}" for dish in KITCHEN_RECIPES] + 20 * ["<|im_start|>user\n", "assistant"]
+    corpus += 20 * [": " + ", ".join(word.capitalize() for word in KITCHEN_INGREDIENTS + KITCHEN_METHODS)]
+    corpus += ["The pot holds salt. The grue is ruined. The dorl is ready! Nothing happens."]
     corpus += ["You arrive at countertop 1. On the countertop 1, you see a apple 1, a mug 2.",
                "Nothing happens. go to take from move to open close clean heat cool use examine "
                "inventory look Your task is to: put a clean cloth in cabinet.",
@@ -2030,6 +2195,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                 skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 continue
+            for group in optimizer.param_groups:  # linear warm-up (--lr-warmup-steps), then cfg.lr
+                group["lr"] = cfg.lr * min(1.0, (optimizer_steps_taken(optimizer) + 1) / max(cfg.lr_warmup_steps, 1))
             optimizer.step()
             steps += 1
             grad_norms.append(float(grad_norm))
@@ -2040,6 +2207,12 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
                padding_frac=1 - trained_tokens / max(padded_tokens, 1))
     return out
+
+
+def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Steps this AdamW has taken (its per-parameter step count; restored with its state)."""
+    state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
+    return int(state["step"]) if "step" in state else 0
 
 
 def build_adamw(model, cfg: Config) -> torch.optim.AdamW:
@@ -2256,7 +2429,7 @@ class Run:
         model is saved (they are not redone). A last line cut short by a crash is dropped, with a note."""
         point = (PHASES.index(phase), iteration)
         for saved in finished:  # a saved phase is complete, whichever checkpoint is used
-            point = max(point, (PHASES.index(saved), self.cfg.iterations - 1))
+            point = max(point, (PHASES.index(saved), phase_iterations(self.cfg, saved) - 1))
 
         def keep(record):
             if record.get("panel") == "report":  # written after the phase's last checkpoint
@@ -2347,9 +2520,13 @@ def phase_protocol(cfg: Config, with_teacher: bool) -> tuple[int, float]:
     return (cfg.opd_mini_batch, cfg.opd_kl_coef) if with_teacher else (cfg.mini_batch, cfg.kl_coef)
 
 
-def validation_due(cfg: Config, iteration: int) -> bool:
+def phase_iterations(cfg: Config, phase: str) -> int:
+    return cfg.teacher_iterations or cfg.iterations if phase == "teacher" else cfg.iterations
+
+
+def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
     """Every eval_every iterations (1-based: 5, 10, ...), and at the phase's last iteration."""
-    return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == cfg.iterations
+    return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == iterations
 
 
 def retirement_message(iteration: int, retirement: Retirement, record: dict) -> str:
@@ -2386,8 +2563,9 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         rng.setstate(resume["python_rng"])
         set_rng_state(resume["rng"], device)
         val_successes, first = list(resume["val_successes"]), resume["iteration"] + 1
-    bar = tqdm(range(first, cfg.iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True,
-               initial=first, total=cfg.iterations)
+    iterations = phase_iterations(cfg, phase)
+    bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True,
+               initial=first, total=iterations)
     for iteration in bar:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -2437,7 +2615,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         record.update(update)
         record["train_tokens_per_s"] = update["trained_tokens"] / max(record["t_update"], 1e-9)
         # --- validation on the fixed panel; it feeds S_T (phase 1) and the retirement rule -------
-        if validation_due(cfg, iteration):
+        if validation_due(cfg, iteration, iterations):
             result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=policy_skills,
                               desc=f"{phase} validation")
             run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation", **result})
@@ -2466,7 +2644,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         record["t_iteration"] = time.perf_counter() - t_start
         record["peak_mem_gb"] = peak_memory_gb(device)
         run.log("metrics.jsonl", record)
-        last = iteration + 1 == cfg.iterations
+        last = iteration + 1 == iterations
         if last or retired_now or (cfg.save_every and (iteration + 1) % cfg.save_every == 0):
             run.checkpoint(policy, tokenizer, {
                 "phase": phase, "iteration": iteration, "optimizer": optimizer.state_dict(),
@@ -2613,6 +2791,8 @@ def parse_config(given: dict) -> Config:
     defaults, then the per-benchmark defaults (max turns, prompt budget, mini-batch) fill in.
     """
     values = dict(TINY_PRESET) if given.get("model", Config.model) == "tiny" else {}
+    if "iterations" in given and "teacher_iterations" not in given:
+        values.pop("teacher_iterations", None)  # --iterations N alone sets both phases
     values.update(given)
     cfg = Config(**values)
     alfworld = cfg.env == "alfworld"
@@ -2691,13 +2871,15 @@ def validate_config(cfg: Config) -> None:
     if cfg.algo not in ALGOS:
         problems.append(f"--algo {cfg.algo!r}: choose one of {', '.join(ALGOS)}")
     if cfg.env not in ENVS:
-        problems.append(f"--env {cfg.env!r}: choose alfworld or webshop")
+        problems.append(f"--env {cfg.env!r}: choose alfworld, webshop or kitchen")
     if cfg.group_size < 2:
         problems.append("--group-size must be >= 2: GRPO normalises within a group")
     if not 0 < cfg.rho <= 1:
         problems.append("--rho must be in (0, 1]")
     if cfg.window < 1:
         problems.append("--window must be >= 1")
+    if cfg.teacher_iterations is not None and cfg.teacher_iterations < 1:
+        problems.append("--teacher-iterations must be >= 1")
     for name in ("iterations", "batch_tasks", "max_turns", "max_response_tokens", "mini_batch", "opd_mini_batch",
                  "token_budget", "ppo_epochs", "logprob_chunk"):
         if getattr(cfg, name) < 1:
@@ -2983,10 +3165,22 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
           f"{len(suite.validation_panel)}, report panel of {len(suite.report_panel)}) with {cfg.model} on "
           f"{device}; run folder {run.dir}")
 
+    base_model = cfg.model  # what both phases start from (and the KL reference)
+    if cfg.model == "tiny" and cfg.warm_start > 0:  # the demo's base: warm-started once, kept in the run
+        base_model = str(run.dir / "tiny_base")
+        if not (run.dir / "tiny_base" / "retireopd.json").is_file():
+            # the same warm-started model for every --seed, as a pretrained checkpoint would be
+            model, tok = load_policy("tiny", device, torch.float32, seed=0)
+            report = warm_start(model, tok, cfg.warm_start, seed=0)
+            print(f"[retireopd] warm start: {cfg.warm_start} behaviour-cloning steps on invented dishes, "
+                  f"loss {report['first_loss']:.2f} -> {report['last_loss']:.3f}")
+            run.save_model(model, tok, "tiny_base", {"warm_start": report})
+            del model
+
     def policy_from(phase: str):
         """The model to train: the base model, or the checkpoint's when resuming this phase."""
         resuming = state is not None and state["phase"] == phase
-        model, tok = load_policy(str(checkpoint) if resuming else cfg.model, device, torch.float32, cfg.seed)
+        model, tok = load_policy(str(checkpoint) if resuming else base_model, device, torch.float32, cfg.seed)
         if cfg.gradient_checkpointing and device.type == "cuda":
             model.activation_checkpointing_enable()
         return model, tok, (state if resuming else None)
@@ -3005,7 +3199,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     if algorithm.teacher_phase and not (teacher_dir / "retireopd.json").is_file():
         policy, tokenizer, resume = policy_from("teacher")
         _, kl_coef = phase_protocol(cfg, with_teacher=False)
-        frozen = {"teacher": None, "reference": load_frozen(cfg.model) if kl_coef > 0 else None}
+        frozen = {"teacher": None, "reference": load_frozen(base_model) if kl_coef > 0 else None}
         print_memory_estimate(policy, cfg, device, run, "phase 1", n_frozen=int(kl_coef > 0),
                               skill_tokens=1024)
         validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, policy_skills=True,
@@ -3014,7 +3208,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         for skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo: both ways
             result = evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=skills,
                               desc=f"teacher report ({'skills' if skills else 'no skills'})")
-            run.log("eval.jsonl", {"phase": "teacher", "iteration": cfg.iterations - 1, "panel": "report", **result})
+            run.log("eval.jsonl", {"phase": "teacher", "iteration": phase_iterations(cfg, "teacher") - 1,
+                                   "panel": "report", **result})
         run.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})  # (before the
         # save: a resume that finds teacher/ saved finds this line too, one that does not drops it)
         run.save_model(policy, tokenizer, "teacher", {"teacher_success": teacher_success, "env": cfg.env,
@@ -3051,7 +3246,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
             frozen["teacher"] = load_frozen(str(teacher_dir))  # frozen holds the only reference
         _, kl_coef = phase_protocol(cfg, with_teacher=algorithm.opd_loss)
         if kl_coef > 0:  # the reference is the base model; never loaded when its coefficient is 0
-            frozen["reference"] = load_frozen(cfg.model)
+            frozen["reference"] = load_frozen(base_model)
         print_memory_estimate(policy, cfg, device, run, "phase 2",
                               n_frozen=sum(m is not None for m in frozen.values()))
         train_phase("student", policy, tokenizer, suite, cfg, run, policy_skills=False, frozen=frozen,

@@ -653,9 +653,12 @@ def test_make_micro_batches_respects_budget_and_sorts():
 
 QUICK = ["--model", "tiny", "--iterations", "3", "--batch-tasks", "1", "--group-size", "2",
          "--max-turns", "2", "--max-response-tokens", "6", "--eval-every", "1", "--eval-episodes", "2",
-         "--window", "1", "--save-every", "1", "--teacher-success", "0.5"]
-# The random tiny model never wins, so the teacher's S_T would be 0 and --algo retireopd would stop
-# before phase 2: --teacher-success 0.5 lets phase 2 run (and the rule never retires: competence 0).
+         "--window", "1", "--save-every", "1", "--teacher-success", "0.5", "--warm-start", "0",
+         "--opd-coef", "0.01", "--kl-coef", "0.01", "--entropy-coef", "0.001"]
+# The random tiny model (--warm-start 0: no behaviour cloning, every code path in seconds) never
+# wins, so the teacher's S_T would be 0 and --algo retireopd would stop before phase 2:
+# --teacher-success 0.5 lets phase 2 run (and the rule never retires: competence 0). The protocol
+# coefficients are the authors' (the demo preset changes them; see TINY_PRESET).
 
 
 def run_cli(tmp_path, name, *flags):
@@ -1391,7 +1394,8 @@ def test_a_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
 
 def test_resume_checks_the_environment_of_the_runs_own_teacher(tmp_path):
     run_dir = tmp_path / "stopped"
-    without_s_t = QUICK[:QUICK.index("--teacher-success")]
+    at = QUICK.index("--teacher-success")
+    without_s_t = QUICK[:at] + QUICK[at + 2:]
     with pytest.raises(SystemExit, match="S_T = 0"):  # the random teacher: phase 1 ends, phase 2 cannot start
         R.main(without_s_t + ["--env", "webshop", "--run-dir", str(run_dir)])
     stored = json.loads((run_dir / "teacher" / "retireopd.json").read_text())
