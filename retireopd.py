@@ -6,8 +6,10 @@ point (README: "ours vs the authors' code"). Read it top to bottom beside the pa
 
     1. config            every knob, with the authors' default, and what each --algo runs
     2. skills & prompts  the privileged skill texts the teacher sees, the prompt, action parsing
-    3. environments      ALFWorld (real alfworld/TextWorld engine) and WebShop (webshop_env.py)
+    3. environments      ALFWorld (real alfworld/TextWorld engine), WebShop (webshop_env.py), and
+                         the offline demo's kitchen, whose recipes only the skills name
     4. models            Qwen2.5 checkpoints, random-weight `random:` shapes, and the offline `tiny`
+                         with its behaviour-cloning warm start
     5. the math          small pure functions, one per equation (GRPO, log-probs, the gap K, dual-clip
                          PPO, the OPD loss, the retirement rule)
     6. rollout           lock-step, batched multi-turn episodes
@@ -24,7 +26,8 @@ before: when it did not shrink at all and the student's last two validations ave
 rho * S_T, the teacher is retired (deleted from memory) and training goes on with GRPO alone.
 
 Commands
-    python retireopd.py --model tiny                        # offline CPU demo, minutes
+    python retireopd.py --model tiny                        # offline CPU demo (the kitchen), ~4 min
+    python retireopd.py --model tiny --algo grpo            # the demo's GRPO baseline, to --compare
     python retireopd.py --model tiny --env alfworld         # same, on fixture ALFWorld games we write
     python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
     python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
@@ -41,6 +44,8 @@ Deliberate choices (README "choices and deviations" has the full list with reaso
     - sampling is the full distribution (temperature 1, top_k 0, top_p 1, no repetition
       penalty) whatever the checkpoint's own generation config says.
     - final teacher/ and student/ models are saved in bf16 (servable); checkpoints keep fp32.
+    - the offline demo (--model tiny) runs its own preset (TINY_PRESET: lambda 0.1, lr 5e-4 with
+      warm-up, no entropy bonus, small batches) on a warm-started tiny model.
 """
 
 from __future__ import annotations
@@ -185,6 +190,13 @@ class Config:
 
 # `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
 # a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
+# On ALFWorld's fixture games and the built-in WebShop catalogue the tiny model only runs the code
+# paths: small and quick, no warm start (it knows only the kitchen), and since it never wins (S_T =
+# 0) the teacher retires on a fixed schedule halfway through phase 2, unless --teacher-success or
+# --retire-at is given.
+TINY_PRESET_ELSEWHERE = dict(warm_start=0, teacher_iterations=None, iterations=10, batch_tasks=2, group_size=4,
+                             max_response_tokens=32, eval_episodes=4, lr=1e-4, lr_warmup_steps=0,
+                             retire_at="half")
 TINY_PRESET = dict(
     env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
     group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=16, opd_mini_batch=16,
@@ -1049,8 +1061,8 @@ class WebShopEpisode:
 # A task is `dish index * 1000 + variant`; the variant only shuffles the order of the admissible
 # actions, so that their position says nothing. Training variants 0-99, panels 500 onwards.
 class KitchenEpisode:
-    """One dish in the kitchen, in the interface above: two decisions, an ingredient ("season
-    the brask with honey") and a way to cook ("cook the brask by frying"). The right one moves on,
+    """One dish in the kitchen, in the interface above: two decisions, an ingredient ("honey the
+    brask") and a way to cook it ("fry the brask"). The right one moves on,
     a wrong admissible one ruins the dish (the episode ends, lost), an inadmissible command
     changes nothing. Won: both right, reward `success_reward`. The commands name the dish just
     before the choice, as ALFWorld's commands name their objects."""
@@ -1157,8 +1169,8 @@ class TaskSuite:
 # ==================================================================================================
 # Real checkpoints come from the hub or a local folder. `random:<alias>` builds the real
 # architecture with random weights (sizes memory and speed before any download). `tiny` is a
-# ~0.2M-parameter Qwen2 model with a byte-level BPE tokenizer trained in code: it learns nothing
-# useful but runs every code path offline on a CPU.
+# 0.17M-parameter Qwen2 model (2 layers, a 1,024-token byte-level BPE vocabulary trained in code):
+# offline on a CPU it runs every code path, and after its warm start it learns the kitchen demo.
 
 # Architectures of the Qwen2.5-Instruct checkpoints (their config.json), for `random:` shapes.
 QWEN25_SHAPES = {
@@ -1188,13 +1200,15 @@ CHATML_TEMPLATE = (
 
 # ----- The tiny model's warm start: what a pretrained LLM already brings, and nothing more --------
 # A randomly initialised model cannot write `<think>...</think><action>...</action>` nor read a
-# skill block, and RL cannot find either from scratch in CPU minutes. --warm-start N teaches both
-# by behaviour cloning on kitchen prompts with *invented* dishes and *random* recipes: the answer
-# is the step the recipe in the skill block names. The demo's own dishes never appear, so the
-# warm-started model knows no recipe: without skills it picks among the admissible actions at
-# chance, and everything the student gains above chance is learned by RL and OPD. Half of the
-# examples are short prompts (the recipe line and the admissible actions), where reading is
-# learned quickly, half the full prompts.
+# skill block, and RL cannot find either from scratch in CPU minutes. --warm-start N teaches, by
+# behaviour cloning on kitchen prompts, what a pretrained LLM brings to the kitchen: the answer
+# format; reading the *first* step (the ingredient) of a recipe in a skill block (short prompts and
+# full teacher prompts, random recipes); the recipes of twelve dishes it "knows" (invented ones);
+# and, for dishes it has never heard of, guessing (random targets). The demo's six dishes appear
+# only with random recipes (in reading examples and as unknown dishes), so the warm-started model
+# knows none of their recipes: without skills it is at chance (1/16 per dish), and with skills it
+# reads the ingredient but guesses the way to cook it (1/4). Everything above that is learned by
+# RL (the teacher's reading of the second step in phase 1) and by RL and OPD (the student).
 WARM_START_DISHES = ("brindle", "clomp", "drubble", "fennick", "gorse", "hoplin", "jibber", "krell",
                      "lummox", "nubbin", "pordle", "quorn")
 _known = random.Random(12345)  # the recipes the warm-started model "knows": other dishes than the demo's
@@ -1206,11 +1220,13 @@ WARM_START_ANSWER = "<think>the next step</think><action>{}</action>"
 
 
 def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
-    """(user message, answer) of one warm-start example: a random recipe for an invented dish.
+    """(user message, answer) of one warm-start example.
 
-    kind "short": the recipe line and the admissible actions; "skills": the full teacher prompt;
-    "plain": the full prompt without skills, answered with a random admissible action (with no
-    recipe to read, any step is a guess: the model stays uncertain, and so explores).
+    kind "short": a random recipe's line and the first step's admissible actions; "skills": the
+    full teacher prompt with a random recipe, at the first step (reading). "known": a full prompt
+    without skills for one of WARM_START_DISHES, answered by its fixed recipe, at either step;
+    "unknown": the same for an unknown dish or one of the demo's, answered by a random step
+    (nothing to know: the model stays uncertain there, and so explores).
     """
     if kind == "known":  # a dish the model knows, with its known recipe
         dish = rng.choice(WARM_START_DISHES)
@@ -2534,8 +2550,8 @@ def retirement_message(iteration: int, retirement: Retirement, record: dict) -> 
         return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
     return (f"[retireopd] teacher retired after iteration {iteration}: the gap K stopped shrinking "
             f"(block mean {record['judged_block']:.4g}, progress {record['progress']:+.3f} <= "
-            f"{retirement.threshold}) and the student is competent (validation successes "
-            f"{record['val_success']:.2f} and before, {record['competence']:.2f} x S_T >= {retirement.rho}); "
+            f"{retirement.threshold}) and the student is competent (its last two validations, "
+            f"{record['val_success']:.2f} now, average {record['competence']:.2f} x S_T >= {retirement.rho}); "
             f"GRPO alone from iteration {retirement.retired_at}")
 
 
@@ -2683,13 +2699,15 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
     envs = sorted({c["env"] for c in configs})
     fig.suptitle(f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
                  else f"{len(run_dirs)} runs on {' and '.join(envs)}", fontsize=10)
-    for n, run_dir in enumerate(map(Path, run_dirs)):
+    all_metrics = [read_jsonl(Path(d) / "metrics.jsonl") for d in run_dirs]
+    # phase 2 is drawn after phase 1 on one iteration axis: every run's phase 2 starts at the same
+    # place (a --algo grpo run, which has no phase 1, beside a RetireOPD student)
+    offset = max(sum(m["phase"] == "teacher" for m in metrics) for metrics in all_metrics)
+    for n, (run_dir, metrics) in enumerate(zip(map(Path, run_dirs), all_metrics)):
         color = f"C{n}"
         label = run_dir.name if len(run_dirs) > 1 else "student"
-        metrics = read_jsonl(run_dir / "metrics.jsonl")
         teacher = [m for m in metrics if m["phase"] == "teacher"]
         student = [m for m in metrics if m["phase"] == "student"]
-        offset = len(teacher)  # phase 2 is drawn after phase 1 on one iteration axis
         if teacher:
             ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray", alpha=0.35, linewidth=1)
             val = [m for m in teacher if "val_success" in m]
@@ -2706,9 +2724,10 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
         if bar:
             ax_success.axhline(configs[n]["rho"] * bar[0], color=color, linestyle=":", linewidth=1,
                                label="competence bar rho * S_T" if n == 0 else None)
-        with_gap = [m for m in student if "gap" in m]
+        with_gap = [m for m in student if "gap" in m]  # none without a teacher in phase 2
         ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap"] for m in with_gap], color=color,
-                    alpha=0.4, linewidth=1, label=f"{label}: K" if len(run_dirs) > 1 else "K per iteration")
+                    alpha=0.4, linewidth=1, label=None if not with_gap else f"{label}: K" if len(run_dirs) > 1
+                    else "K per iteration")
         ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap_k3"] for m in with_gap], color=color,
                     linestyle="--", alpha=0.4, linewidth=1, label=None if len(run_dirs) > 1 else "k3 diagnostic")
         window = configs[n]["window"]
@@ -2791,10 +2810,14 @@ def parse_config(given: dict) -> Config:
     defaults, then the per-benchmark defaults (max turns, prompt budget, mini-batch) fill in.
     """
     values = dict(TINY_PRESET) if given.get("model", Config.model) == "tiny" else {}
+    if values and given.get("env", values["env"]) != "kitchen":
+        values.update(TINY_PRESET_ELSEWHERE)
     if "iterations" in given and "teacher_iterations" not in given:
         values.pop("teacher_iterations", None)  # --iterations N alone sets both phases
     values.update(given)
     cfg = Config(**values)
+    if "retire_at" in values and values["retire_at"] == "half":  # see TINY_PRESET_ELSEWHERE
+        cfg.retire_at = max(1, cfg.iterations // 2) if cfg.algo == "retireopd" and cfg.teacher_success is None else None
     alfworld = cfg.env == "alfworld"
     cfg.max_turns = cfg.max_turns or (50 if alfworld else 15)
     cfg.max_prompt_tokens = cfg.max_prompt_tokens or (2048 if alfworld else 4096)
@@ -2939,6 +2962,18 @@ def validate_config(cfg: Config) -> None:
         problems.append(f"--model {cfg.model}: random: takes one of {', '.join(QWEN25_SHAPES)}")
     if problems:
         raise SystemExit("retireopd: " + "\n".join(problems))
+
+
+SMALL_MODEL_PARAMS = 20_000_000
+
+
+def one_thread_if_small(model, device: torch.device) -> None:
+    """On a CPU, a model below SMALL_MODEL_PARAMS runs on one torch thread: its matrices are too
+    small to gain from threads, and on a busy 2-core machine two threads were measured 4-20x
+    slower for the tiny model (spinning threads of competing processes). Bigger models keep
+    torch's default (set OMP_NUM_THREADS to choose)."""
+    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
 
 
 def pick_device(name: str) -> torch.device:
@@ -3141,9 +3176,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    if device.type == "cpu" and cfg.model == "tiny":
-        # the tiny model's matrices are too small to gain from threads, and on a busy machine
-        # spinning threads slow it down ten-fold: one thread keeps the demo fast everywhere
+    if device.type == "cpu" and cfg.model == "tiny":  # before the warm start; see one_thread_if_small
         torch.set_num_threads(1)
     frozen_dtype = torch.bfloat16 if cfg.frozen_dtype == "bfloat16" else torch.float32
     try:  # data problems surface here, in one line, before any model is loaded
@@ -3172,8 +3205,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
             # the same warm-started model for every --seed, as a pretrained checkpoint would be
             model, tok = load_policy("tiny", device, torch.float32, seed=0)
             report = warm_start(model, tok, cfg.warm_start, seed=0)
-            print(f"[retireopd] warm start: {cfg.warm_start} behaviour-cloning steps on invented dishes, "
-                  f"loss {report['first_loss']:.2f} -> {report['last_loss']:.3f}")
+            print(f"[retireopd] warm start: {cfg.warm_start} behaviour-cloning steps (the answer format, reading "
+                  f"a recipe's first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> {report['last_loss']:.3f}")
             run.save_model(model, tok, "tiny_base", {"warm_start": report})
             del model
 
@@ -3181,6 +3214,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         """The model to train: the base model, or the checkpoint's when resuming this phase."""
         resuming = state is not None and state["phase"] == phase
         model, tok = load_policy(str(checkpoint) if resuming else base_model, device, torch.float32, cfg.seed)
+        one_thread_if_small(model, device)
         if cfg.gradient_checkpointing and device.type == "cuda":
             model.activation_checkpointing_enable()
         return model, tok, (state if resuming else None)
