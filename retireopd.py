@@ -21,9 +21,10 @@ The method. Phase 1 trains a *teacher* with GRPO while the task's skill notes si
 then freezes it; its success S_T is its validation success with skills. Phase 2 trains a
 skill-free *student* with GRPO plus an on-policy distillation loss lambda * L_OPD: the teacher
 scores every token the student sampled. Every W = 5 iterations, at the student's validation, the
-mean gap K = mean(log p_student - log p_teacher) of the last W iterations is compared with the W
-before: when it did not shrink at all and the student's last two validations average at least
-rho * S_T, the teacher is retired (deleted from memory) and training goes on with GRPO alone.
+mean gap K = mean(log p_student - log p_teacher) of a block of W iterations (the oldest not yet
+judged) is compared with the block judged before: when it did not shrink at all and the
+student's successes at this and the previous judging validation average at least rho * S_T, the
+teacher is retired (deleted from memory) and training goes on with GRPO alone.
 
 Commands
     python retireopd.py --model tiny                        # offline CPU demo (the kitchen), ~4 min
@@ -173,7 +174,7 @@ class Config:
     # --- retirement (the authors' rule and defaults) -------------------------------------------------
     window: int = 5  # W: the gap K is averaged over non-overlapping blocks of W iterations
     alignment_threshold: float = 0.0  # "stopped shrinking": progress (K_prev - K)/K_prev <= this
-    rho: float = 0.9  # competence: mean of the student's last two validation successes >= rho * S_T
+    rho: float = 0.9  # competence: the student's successes at this and the previous judging validation, averaged, >= rho * S_T
     teacher_success: Optional[float] = None  # S_T; None: the mean of the teacher's last two
     #   validations with skills, recorded at the end of phase 1
     # --- evaluation & outputs --------------------------------------------------------------------
@@ -1606,7 +1607,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 num_tokens: Optional[float] = None):
     """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
                                                                      (paper: the RL backbone)
-        ratio_k = exp(l^theta_k - l^old_k)
+        ratio_k = exp(clamp(l^theta_k - l^old_k, -20, 20))   (verl's clamp: never inf)
         L^clip_k = max(-ratio_k A_k, -clip(ratio_k, 1-eps, 1+eps) A_k)
         L^PG_k  = min(L^clip_k, -c A_k)  where A_k < 0  (dual clip: a huge ratio on a bad token
                   cannot blow the loss up),  L^clip_k elsewhere
@@ -1621,7 +1622,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     dual clip was active), approx_kl_old (mean l^old - l^theta), kl_ref, entropy.
     """
     num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
     clip_loss = torch.maximum(unclipped, clipped)
@@ -2571,7 +2572,8 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     device = next(policy.parameters()).device
     optimizer = build_adamw(policy, cfg)
     rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
-    mini_batch, kl_coef = phase_protocol(cfg, with_teacher=frozen.get("teacher") is not None)
+    # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
+    mini_batch, kl_coef = phase_protocol(cfg, with_teacher=retirement is not None or frozen.get("teacher") is not None)
     val_successes, first = [], 0
     torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase))  # sampling: a fixed stream per phase
     if resume is not None:
@@ -2935,6 +2937,8 @@ def validate_config(cfg: Config) -> None:
     for name in ("kl_coef", "opd_kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr", "weight_decay"):
         if getattr(cfg, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if cfg.algo == "opd" and cfg.opd_coef == 0:
+        problems.append("--algo opd trains on lambda * L_OPD alone: --opd-coef must be > 0")
     if cfg.dual_clip <= 1:
         problems.append("--dual-clip must be > 1 (it caps the loss of a negative advantage at -c*A)")
     if cfg.window >= 1 and not 1 <= cfg.eval_every <= cfg.window:  # (a bad --window is reported alone)
@@ -3140,6 +3144,21 @@ def print_memory_estimate(policy, cfg: Config, device: torch.device, run: Run, p
     run.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": memory, "device": str(device)})
 
 
+def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
+    """The offline demo's base model, RUN_DIR/tiny_base: the tiny model after `steps` warm-start
+    steps, built once per run folder (a resume, or a folder that already has it, reuses it). Seed 0
+    whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
+    folder = run.dir / "tiny_base"
+    if not (folder / "retireopd.json").is_file():
+        model, tok = load_policy("tiny", device, torch.float32, seed=0)
+        report = warm_start(model, tok, steps, seed=0)
+        print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
+              f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
+              f"{report['last_loss']:.3f}")
+        run.save_model(model, tok, "tiny_base", {"warm_start": report})
+    return str(folder)
+
+
 def main(argv: Optional[list] = None) -> Optional[Path]:
     args = vars(build_parser().parse_args(argv))
     resume_dir, plot_dir, compare = args.pop("resume"), args.pop("plot"), args.pop("compare")
@@ -3200,15 +3219,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
 
     base_model = cfg.model  # what both phases start from (and the KL reference)
     if cfg.model == "tiny" and cfg.warm_start > 0:  # the demo's base: warm-started once, kept in the run
-        base_model = str(run.dir / "tiny_base")
-        if not (run.dir / "tiny_base" / "retireopd.json").is_file():
-            # the same warm-started model for every --seed, as a pretrained checkpoint would be
-            model, tok = load_policy("tiny", device, torch.float32, seed=0)
-            report = warm_start(model, tok, cfg.warm_start, seed=0)
-            print(f"[retireopd] warm start: {cfg.warm_start} behaviour-cloning steps (the answer format, reading "
-                  f"a recipe's first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> {report['last_loss']:.3f}")
-            run.save_model(model, tok, "tiny_base", {"warm_start": report})
-            del model
+        base_model = warm_started_tiny_base(run, device, cfg.warm_start)
 
     def policy_from(phase: str):
         """The model to train: the base model, or the checkpoint's when resuming this phase."""

@@ -1393,6 +1393,30 @@ def test_a_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
         R.main(QUICK + ["--env", "webshop", "--run-dir", str(legacy)])
 
 
+def test_a_resume_after_retirement_keeps_the_distilling_phase_protocol(tmp_path, monkeypatch):
+    # phase 2 keeps --opd-mini-batch (and no KL) after its teacher is retired, also when a resume
+    # finds the teacher retired and loads none. At most 2 x 2 x 2 = 8 turn-samples per iteration:
+    # one optimizer step with --opd-mini-batch 8, one per sample with --mini-batch 1.
+    flags = ["--env", "webshop", "--iterations", "4", "--retire-at", "1", "--batch-tasks", "2",
+             "--mini-batch", "1", "--opd-mini-batch", "8"]
+    reference = tmp_path / "uninterrupted"
+    R.main(QUICK + ["--run-dir", str(reference), *flags])
+    crashed = tmp_path / "crashed"
+    crash_instead_of_saving(monkeypatch, crashed, flags, lambda name: name.endswith("1-student-00002"))
+    R.main(["--resume", str(crashed)])
+    ours, theirs = R.read_jsonl(crashed / "metrics.jsonl"), R.read_jsonl(reference / "metrics.jsonl")
+    student = [m for m in ours if m["phase"] == "student"]
+    assert [m["teacher_active"] for m in student] == [True, False, False, False]
+    assert all(m["optimizer_steps"] == 1 and "kl_ref" not in m for m in student)
+    assert comparable(ours) == comparable(theirs)
+
+
+def test_algo_opd_needs_a_positive_opd_coef(tmp_path):
+    with pytest.raises(SystemExit, match="--algo opd trains on lambda \\* L_OPD alone: --opd-coef must be > 0"):
+        R.main(QUICK + ["--run-dir", str(tmp_path / "run"), "--algo", "opd", "--opd-coef", "0"])
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_checks_the_environment_of_the_runs_own_teacher(tmp_path):
     run_dir = tmp_path / "stopped"
     at = QUICK.index("--teacher-success")
@@ -2265,16 +2289,25 @@ def demo_episodes(model, tok, suite, tasks, cfg):
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    """The README's demo, `python retireopd.py --model tiny` (seed 0), run once for the tests below."""
+def tiny_base(tmp_path_factory):
+    """The demo's warm-started base model (RUN_DIR/tiny_base of `--model tiny`), built once."""
+    cfg = R.parse_config({"model": "tiny", "run_dir": str(tmp_path_factory.mktemp("base") / "run")})
+    return Path(R.warm_started_tiny_base(R.Run(cfg), torch.device("cpu"), cfg.warm_start))
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory, tiny_base):
+    """The README's demo, `python retireopd.py --model tiny` (seed 0), run once for the tests below,
+    in a folder that already holds its base model (the warm start is deterministic: the same one)."""
     run_dir = tmp_path_factory.mktemp("demo") / "run"
+    shutil.copytree(tiny_base, run_dir / "tiny_base")
     R.main(["--model", "tiny", "--run-dir", str(run_dir)])
     return run_dir
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sign", [1, -1], ids=["grpo", "grpo-with-the-advantage-sign-flipped"])
-def test_grpo_learns_the_kitchen_and_fails_with_the_advantage_sign_flipped(demo_run, tmp_path, monkeypatch, sign):
+def test_grpo_learns_the_kitchen_and_fails_with_the_advantage_sign_flipped(tiny_base, tmp_path, monkeypatch, sign):
     # cleanRL's habit: the algorithm must learn. From the warm-started base, GRPO alone (no teacher)
     # on two dishes: validation success rises by a clear margin in a dozen iterations. The same
     # run with the sign of every advantage flipped must not learn (the check that the test can fail).
@@ -2282,7 +2315,7 @@ def test_grpo_learns_the_kitchen_and_fails_with_the_advantage_sign_flipped(demo_
     monkeypatch.setattr(R, "grpo_advantages", lambda *a, **k: sign * real(*a, **k))
     cfg = R.parse_config({"model": "tiny", "run_dir": str(tmp_path), "iterations": 12, "batch_tasks": 4,
                           "eval_every": 3, "save_every": 0})
-    model, tok = R.load_policy(str(demo_run / "tiny_base"), torch.device("cpu"), torch.float32)
+    model, tok = R.load_policy(str(tiny_base), torch.device("cpu"), torch.float32)
     suite = R.TaskSuite(cfg)
     suite.train = [t for t in suite.train if t // 1000 in (0, 1)]  # brask and dorl
     panel = [d * 1000 + 500 + v for d in (0, 1) for v in range(4)]
@@ -2290,6 +2323,7 @@ def test_grpo_learns_the_kitchen_and_fails_with_the_advantage_sign_flipped(demo_
     R.train_phase("student", model, tok, suite, cfg, R.Run(cfg), policy_skills=False,
                   frozen={"teacher": None, "reference": None})
     after = demo_episodes(model, tok, suite, panel, cfg)
+    print(f"GRPO on two dishes, advantage sign {sign:+d}: validation {before} -> {after}")
     if sign == 1:  # measured: 0.125 -> 0.5
         assert after >= before + 0.25, (before, after)
     else:
