@@ -3189,8 +3189,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         peak, ratio = report["logprob_peak_gb"], report["logprob_memory_ratio"]
         print(f"  log-prob peak memory (GiB): ours {peak['ours_logprob']}, plain {peak['plain_logprob']}, "
               + (f"ratio {ratio}" if ratio is not None else
-                 f"too small to measure (a peak below {MEASURABLE_PEAK_GB} GiB; use a model with the "
-                 "real vocabulary, e.g. random:small-vocab151k)"))
+                 f"no ratio: a peak below {MEASURABLE_PEAK_GB} GiB is too small to measure (use a model with "
+                 "the real vocabulary, e.g. random:small-vocab151k)"))
         return Path(cfg.run_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -1814,6 +1814,22 @@ def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, 
     assert "pip install matplotlib" in capsys.readouterr().out
 
 
+def test_compare_is_titled_with_every_environment_and_lines_up_phase_two(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+    run_a, _, _ = run_cli(tmp_path, "a", "--env", "webshop")  # phase 1 (3 iterations), then phase 2
+    run_b, _, _ = run_cli(tmp_path, "b", "--env", "kitchen", "--algo", "grpo")  # phase 2 only
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
+    R.plot_runs([run_a, run_b])
+    (figure,) = figures
+    assert figure._suptitle.get_text() == "2 runs on kitchen and webshop"
+    # the validation dots of each student start where phase 2 starts: after the longest phase 1
+    first_x = {line.get_label(): min(line.get_xdata()) for line in figure.axes[0].get_lines()
+               if line.get_label().endswith("(phase 2)")}
+    assert first_x == {"a, no skills (phase 2)": 3, "b, no skills (phase 2)": 3}
+
+
 def test_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     R.main(["--model", "tiny", "--benchmark", "--env", "webshop", "--batch-tasks", "1", "--group-size", "2",
             "--max-response-tokens", "4", "--run-dir", str(tmp_path)])
