@@ -413,8 +413,14 @@ def test_teacher_prompt_is_student_prompt_plus_skills_before_task():
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def pristine_tiny():
     return R.load_policy("tiny", torch.device("cpu"), torch.float32, seed=0)
+
+
+@pytest.fixture
+def tiny(pristine_tiny):
+    """(model, tokenizer): a fresh copy for every test, which may train it or change its settings."""
+    return tuple(copy.deepcopy(part) for part in pristine_tiny)
 
 
 def small_cfg(**overrides):
