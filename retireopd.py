@@ -2538,7 +2538,7 @@ def phase_protocol(cfg: Config, with_teacher: bool) -> tuple[int, float]:
 
 
 def phase_iterations(cfg: Config, phase: str) -> int:
-    return cfg.teacher_iterations or cfg.iterations if phase == "teacher" else cfg.iterations
+    return (cfg.teacher_iterations or cfg.iterations) if phase == "teacher" else cfg.iterations
 
 
 def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
@@ -3151,6 +3151,7 @@ def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
     folder = run.dir / "tiny_base"
     if not (folder / "retireopd.json").is_file():
         model, tok = load_policy("tiny", device, torch.float32, seed=0)
+        one_thread_if_small(model, device)
         report = warm_start(model, tok, steps, seed=0)
         print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
               f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
@@ -3195,8 +3196,6 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    if device.type == "cpu" and cfg.model == "tiny":  # before the warm start; see one_thread_if_small
-        torch.set_num_threads(1)
     frozen_dtype = torch.bfloat16 if cfg.frozen_dtype == "bfloat16" else torch.float32
     try:  # data problems surface here, in one line, before any model is loaded
         suite = TaskSuite(cfg)
