@@ -1,67 +1,29 @@
-"""RetireOPD: Self-Retiring On-Policy Distillation for agentic RL, in one file.
+"""RetireOPD: Self-Retiring On-Policy Distillation for agentic RL (arXiv 2609.20784), in one file.
 
-A minimal, readable reference implementation of *RetireOPD: Self-Retiring On-Policy Distillation
-for Agentic Reinforcement Learning* (arXiv 2609.20784), following the authors' own code point by
-point (README: "ours vs the authors' code"). Read it top to bottom beside the paper:
+Phase 1 trains a teacher with GRPO while the task's skill notes sit in its prompt, then freezes it;
+S_T is its validation success with skills. Phase 2 trains a fresh, skill-free student with GRPO plus
+an on-policy distillation loss lambda * L_OPD: the teacher scores every token the student sampled.
+At every validation the mean gap K between student and teacher over a block of W iterations is
+compared with the block judged before it: once K stopped shrinking and the student's last two
+validations average at least rho * S_T, the teacher is retired and GRPO alone goes on.
 
-    1. config            every knob, with the authors' default, and what each --algo runs
-    2. skills & prompts  the privileged skill texts the teacher sees, the prompt, action parsing
-    3. environments      ALFWorld (real alfworld/TextWorld engine), WebShop (webshop_env.py), and
-                         the offline demo's kitchen, whose recipes only the skills name
-    4. models            Qwen2.5 checkpoints, random-weight `random:` shapes, and the offline `tiny`
-                         with its behaviour-cloning warm start
-    5. the math          small pure functions, one per equation (GRPO, log-probs, the gap K, dual-clip
-                         PPO, the OPD loss, the retirement rule)
-    6. rollout           lock-step, batched multi-turn episodes
-    7. update            old/teacher/reference log-probs and the combined loss, in mini-batches
-    8. phases            phase 1 Skill-GRPO teacher, phase 2 GRPO + OPD student with retirement
-    9. main              run folder, metrics.jsonl, checkpoints, evaluation
-
-The method. Phase 1 trains a *teacher* with GRPO while the task's skill notes sit in its prompt,
-then freezes it; its success S_T is its validation success with skills. Phase 2 trains a
-skill-free *student* with GRPO plus an on-policy distillation loss lambda * L_OPD: the teacher
-scores every token the student sampled. Every W = 5 iterations, at the student's validation, the
-mean gap K = mean(log p_student - log p_teacher) of a block of W iterations (the oldest not yet
-judged) is compared with the block judged before: when it did not shrink at all and the
-student's successes at this and the previous judging validation average at least rho * S_T, the
-teacher is retired (deleted from memory) and training goes on with GRPO alone.
-
-Commands
-    python retireopd.py --model tiny                        # offline CPU demo (the kitchen), ~4 min
-    python retireopd.py --model tiny --algo grpo            # the demo's GRPO baseline, to --compare
-    python retireopd.py --model tiny --env alfworld         # same, on fixture ALFWorld games we write
-    python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
-    python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
-    python retireopd.py --model random:Qwen2.5-1.5B --iterations 1   # real shapes, random weights
-    python retireopd.py --algo grpo | skill-grpo | opd | grpo+opd | retireopd --retire-at 40
-
-Deliberate choices (README "choices and deviations" has the full list with reasons):
-    - the validation panels are fixed (ALFWorld valid_seen, WebShop's first 128 validation goals),
-      where the authors draw 128 random validation episodes; S_T is recorded, not typed in.
-    - the teacher prompt is the student prompt plus the skill block, in both phases, never cut.
-    - mini-batches are shuffled and the loss is the exact token mean over each mini-batch.
-    - precision: fp32 master weights with bf16 autocast on GPU; the frozen teacher and reference
-      in fp32 by default (--frozen-dtype bfloat16 to halve them); log-probs from fp32 logits.
-    - sampling is the full distribution (temperature 1, top_k 0, top_p 1, no repetition
-      penalty) whatever the checkpoint's own generation config says.
-    - final teacher/ and student/ models are saved in bf16 (servable); checkpoints keep fp32.
-    - the offline demo (--model tiny) runs its own preset (TINY_PRESET: lambda 0.1, lr 5e-4 with
-      warm-up, no entropy bonus, small batches) on a warm-started tiny model.
+Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
+math, 4 rollout, 5 update, 6 one iteration, a phase, the two phases. Then a banner: below it is
+plumbing that does not change the math (environments, models, memory, run folder, CLI, main).
+`python retireopd.py --model tiny` runs the offline demo; --help lists every flag and more commands.
+Every deliberate choice, with its reason, is in README.md, "Choices and deviations".
 """
+
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import errno
 import functools
 import gc
-import itertools
 import json
-import math
-import multiprocessing
 import os
 import random
 import re
@@ -69,147 +31,792 @@ import shlex
 import shutil
 import sys
 import time
-import warnings
-import weakref
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import torch
-
-# transformers and tqdm are imported at module level: the script cannot do anything without them.
 import transformers
 from tqdm.auto import tqdm
 
-# ==================================================================================================
-# 1. Config
-# ==================================================================================================
+import alfworld_env  # ALFWorld's engine machinery (alfworld itself is imported only when a game is played)
 
+
+# ==================================================================================================
+# 1. Config, and what each --algo runs
+# ==================================================================================================
 
 
 class Algorithm(NamedTuple):
-    """What one `--algo` runs. Phase 1 (Skill-GRPO) trains the teacher with GRPO while the skills
-    sit in its prompt; phase 2 trains a fresh, skill-free student with the losses named here."""
-    teacher_phase: bool  # run phase 1 (or reuse a teacher with --teacher)
-    student_phase: bool  # run phase 2
-    grpo_loss: bool  # phase 2 trains on the PPO-clip GRPO loss (environment reward)
-    opd_loss: bool  # phase 2 adds lambda * L_OPD toward the frozen teacher
+    """What one --algo runs. Phase 1 (Skill-GRPO) trains the teacher with GRPO, skills in its prompt.
+    Phase 2 trains a fresh, skill-free student; with a teacher, under the authors' phase-2 protocol
+    (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol)."""
+    teacher_phase: bool  # phase 1 runs (or --teacher reuses a saved teacher)
+    student_phase: bool  # phase 2 runs
+    grpo_loss: bool  # phase 2 trains on environment reward: the PPO-clip GRPO loss
+    opd_loss: bool  # phase 2 distils from the frozen teacher: lambda * L_OPD
     retirement: Optional[str]  # "adaptive": the authors' rule (--retire-at N: a fixed schedule); None: never
 
 
-ALGORITHMS = {
-    "retireopd": Algorithm(teacher_phase=True, student_phase=True, grpo_loss=True, opd_loss=True,
-                           retirement="adaptive"),
-    "grpo": Algorithm(teacher_phase=False, student_phase=True, grpo_loss=True, opd_loss=False, retirement=None),
-    "skill-grpo": Algorithm(teacher_phase=True, student_phase=False, grpo_loss=False, opd_loss=False,
-                            retirement=None),
-    "opd": Algorithm(teacher_phase=True, student_phase=True, grpo_loss=False, opd_loss=True, retirement=None),
-    "grpo+opd": Algorithm(teacher_phase=True, student_phase=True, grpo_loss=True, opd_loss=True, retirement=None),
+ALGORITHMS = {  # teacher_phase, student_phase, grpo_loss, opd_loss, retirement
+    "retireopd": Algorithm(True, True, True, True, "adaptive"),  # the method
+    "grpo": Algorithm(False, True, True, False, None),  # the RL baseline
+    "skill-grpo": Algorithm(True, False, False, False, None),  # the teacher alone, reported with and without skills
+    "opd": Algorithm(True, True, False, True, None),  # pure distillation
+    "grpo+opd": Algorithm(True, True, True, True, None),  # GRPO + OPD, never retired
 }
 ALGOS = tuple(ALGORITHMS)
 PHASES = ("teacher", "student")
 ENVS = ("alfworld", "webshop", "kitchen")
-MODEL_ALIASES = {
-    "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
-    "Qwen2.5-3B": "Qwen/Qwen2.5-3B-Instruct",
-    "Qwen2.5-7B": "Qwen/Qwen2.5-7B-Instruct",
-}
+
+
+def arg(default, help: str):
+    """A Config field: its default, and the --help text of its flag (build_parser reads both)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class Config:
     # --- what to run -----------------------------------------------------------------------------
-    model: str = "Qwen2.5-1.5B"  # hub id, local folder, alias (Qwen2.5-1.5B/3B/7B), random:<alias>, tiny
-    algo: str = "retireopd"  # retireopd | grpo | skill-grpo | opd | grpo+opd (README: Algorithms)
-    env: str = "alfworld"  # alfworld | webshop | kitchen (the offline demo's; the `tiny` preset's default)
-    alfworld_data: Optional[str] = None  # root with json_2.1.1/ (default $ALFWORLD_DATA, else
-    #   ~/.cache/alfworld); "fixtures" writes and plays our own tiny games (the tiny preset's default)
-    webshop_data: Optional[str] = None  # folder with the official WebShop files (default $WEBSHOP_DATA,
-    #   else the built-in 12-product catalogue)
-    webshop_reward: str = "faithful"  # faithful (the original's reward, its option bug kept) | fixed
-    teacher: Optional[str] = None  # reuse a saved phase-1 teacher folder (skips phase 1)
-    retire_at: Optional[int] = None  # fixed-schedule retirement at this phase-2 iteration (ablation)
-    run_dir: Optional[str] = None  # output folder (default runs/<env>-<algo>-<time>)
-    seed: int = 0  # seeds task sampling, rollouts and the tiny/random: model weights
-    warm_start: int = 0  # tiny only: behaviour-cloning steps that teach the answer format and reading
-    #   a skill block, on invented dishes (README: the offline demo); 0: the random tiny model
-    device: str = "auto"  # auto | cuda | cuda:N | cpu
+    model: str = arg("Qwen2.5-1.5B", "hub id, local folder, alias (Qwen2.5-1.5B/3B/7B), random:<alias>, tiny")
+    algo: str = arg("retireopd", "retireopd | grpo | skill-grpo | opd | grpo+opd (README: Algorithms)")
+    env: str = arg("alfworld", "alfworld | webshop | kitchen (the offline demo's; the `tiny` preset's default)")
+    alfworld_data: Optional[str] = arg(None, "root with json_2.1.1/ (default $ALFWORLD_DATA, else ~/.cache/alfworld); "
+                                       "\"fixtures\": our own tiny games (the tiny preset's default)")
+    webshop_data: Optional[str] = arg(None, "the official WebShop files (default $WEBSHOP_DATA, else built in)")
+    webshop_reward: str = arg("faithful", "faithful (the original's reward, its option bug kept) | fixed")
+    teacher: Optional[str] = arg(None, "reuse a saved phase-1 teacher folder (skips phase 1)")
+    retire_at: Optional[int] = arg(None, "fixed-schedule retirement at this phase-2 iteration (ablation)")
+    run_dir: Optional[str] = arg(None, "output folder (default runs/<env>-<algo>-<time>)")
+    seed: int = arg(0, "seeds task sampling, rollouts and the tiny/random: model weights")
+    warm_start: int = arg(0, "tiny only: behaviour-cloning steps that teach the answer format and reading a skill "
+                          "block, on invented dishes (README: the offline demo); 0: the random tiny model")
+    device: str = arg("auto", "auto | cuda | cuda:N | cpu")
     # --- rollout -------------------------------------------------------------------------------
-    iterations: int = 150  # training iterations per phase (the authors' protocol)
-    teacher_iterations: Optional[int] = None  # phase 1's, if different (None, or --iterations given
-    #   alone: the same as --iterations)
-    batch_tasks: int = 16  # B: tasks per iteration
-    group_size: int = 8  # G: rollouts per task; a GRPO group
-    max_turns: Optional[int] = None  # None -> 50 (ALFWorld) / 15 (WebShop)
-    history: int = 2  # H: past (observation, action) pairs shown in the prompt
-    env_workers: int = 0  # ALFWorld: processes that step the games in parallel (0: in this process)
-    max_response_tokens: int = 512  # an answer cut here is malformed
-    max_prompt_tokens: Optional[int] = None  # student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)
-    prefill_batch: int = 16  # prompts prefilled per forward in a rollout turn (the prefill's memory grows
-    #   with it times the prompt width, not with B*G); 0: all of them in one forward
-    temperature: float = 1.0  # rollout temperature (full distribution: top_k=0, top_p=1)
-    malformed_penalty: float = 0.1  # subtracted from a turn's score when its answer is malformed
-    success_reward: float = 10.0  # R_i for a won episode
+    iterations: int = arg(150, "training iterations per phase (the authors' protocol)")
+    teacher_iterations: Optional[int] = arg(None, "phase 1's, if not --iterations (which alone sets both)")
+    batch_tasks: int = arg(16, "B: tasks per iteration")
+    group_size: int = arg(8, "G: rollouts per task; a GRPO group")
+    max_turns: Optional[int] = arg(None, "None -> 50 (ALFWorld) / 15 (WebShop)")
+    history: int = arg(2, "H: past (observation, action) pairs shown in the prompt")
+    env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
+    max_response_tokens: int = arg(512, "an answer cut here is malformed")
+    max_prompt_tokens: Optional[int] = arg(None, "student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)")
+    prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
+                             "it times the prompt width, not with B*G); 0: all of them in one forward")
+    temperature: float = arg(1.0, "rollout temperature (full distribution: top_k=0, top_p=1)")
+    malformed_penalty: float = arg(0.1, "subtracted from a turn's score when its answer is malformed")
+    success_reward: float = arg(10.0, "R_i for a won episode")
     # --- update ----------------------------------------------------------------------------------
-    lr: float = 1e-6  # AdamW learning rate (the authors' scripts)
-    lr_warmup_steps: int = 0  # linear learning-rate warm-up over a phase's first N optimizer steps (the
-    #   authors': none)
-    weight_decay: float = 0.01  # AdamW weight decay
-    grad_clip: float = 1.0  # gradient-norm clipping
-    clip_eps: float = 0.2  # PPO clip
-    dual_clip: float = 3.0  # dual-clip PPO: for A < 0 the loss is also capped at -c*A (verl's clip_ratio_c)
-    ppo_epochs: int = 1  # passes over each iteration's samples
-    mini_batch: Optional[int] = None  # turn-samples per optimizer step in phase 1 and --algo grpo;
-    #   None -> 256 (ALFWorld) / 64 (WebShop)
-    opd_mini_batch: int = 128  # turn-samples per optimizer step in phase 2 with a teacher (both envs)
-    token_budget: int = 16384  # padded tokens per micro-batch (forward/backward chunk)
-    kl_coef: float = 0.01  # KL-to-reference (k3) coefficient in phase 1 and --algo grpo; 0 skips the
-    #   reference model entirely
-    opd_kl_coef: float = 0.0  # the same in phase 2 with a teacher (the authors': off, no reference model)
-    entropy_coef: float = 0.001  # entropy bonus; 0 skips computing it
-    opd_coef: float = 0.01  # lambda: weight of the OPD loss L_OPD (the authors' 0.01); 0 after retirement
-    gradient_checkpointing: bool = True  # recompute activations in backward (GPU only; saves memory)
-    logprob_chunk: int = 1024  # response positions per lm_head/log-softmax chunk
+    lr: float = arg(1e-6, "AdamW learning rate (the authors' scripts)")
+    lr_warmup_steps: int = arg(0, "linear lr warm-up over a phase's first N optimizer steps (the authors': none)")
+    weight_decay: float = arg(0.01, "AdamW weight decay")
+    grad_clip: float = arg(1.0, "gradient-norm clipping")
+    clip_eps: float = arg(0.2, "PPO clip")
+    dual_clip: float = arg(3.0, "dual-clip PPO: for A < 0 the loss is also capped at -c*A (verl's clip_ratio_c)")
+    ppo_epochs: int = arg(1, "passes over each iteration's samples")
+    mini_batch: Optional[int] = arg(None, "turn-samples per optimizer step, phase 1 and grpo (None: 256; WebShop 64)")
+    opd_mini_batch: int = arg(128, "turn-samples per optimizer step in phase 2 with a teacher (both envs)")
+    token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
+    kl_coef: float = arg(0.01, "KL-to-reference (k3) coefficient, phase 1 and --algo grpo; 0: no reference model")
+    opd_kl_coef: float = arg(0.0, "the same in phase 2 with a teacher (the authors': off, no reference model)")
+    entropy_coef: float = arg(0.001, "entropy bonus; 0 skips computing it")
+    opd_coef: float = arg(0.01, "lambda: weight of the OPD loss L_OPD (the authors' 0.01); 0 after retirement")
+    gradient_checkpointing: bool = arg(True, "recompute activations in backward (GPU only; saves memory)")
+    logprob_chunk: int = arg(1024, "response positions per lm_head/log-softmax chunk")
     # --- retirement (the authors' rule and defaults) -------------------------------------------------
-    window: int = 5  # W: the gap K is averaged over non-overlapping blocks of W iterations
-    alignment_threshold: float = 0.0  # "stopped shrinking": progress (K_prev - K)/K_prev <= this
-    rho: float = 0.9  # competence: the student's successes at this and the previous judging validation, averaged, >= rho * S_T
-    teacher_success: Optional[float] = None  # S_T; None: the mean of the teacher's last two
-    #   validations with skills, recorded at the end of phase 1
+    window: int = arg(5, "W: the gap K is averaged over non-overlapping blocks of W iterations")
+    alignment_threshold: float = arg(0.0, "\"stopped shrinking\": progress (K_prev - K)/K_prev <= this")
+    rho: float = arg(0.9, "competence: the student's successes at this and the previous judging validation, "
+                     "averaged, >= rho * S_T")
+    teacher_success: Optional[float] = arg(None, "S_T; None: recorded at the end of phase 1 (teacher_success_rate)")
     # --- evaluation & outputs --------------------------------------------------------------------
-    eval_every: int = 5  # validation every N iterations (1 <= N <= W) and at a phase's last iteration
-    eval_temperature: float = 0.4  # sampling temperature of validations and the end-of-phase reports
-    eval_episodes: Optional[int] = None  # cap every panel, for quick checks (ALFWorld: round-robin
-    #   over task types; WebShop: the first N goals); None = the whole panel
-    save_every: int = 10  # resumable checkpoint every N iterations (also at phase ends, retirement; 0: only
-    #   there)
-    keep_checkpoints: int = 2  # how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)
-    frozen_dtype: str = "float32"  # teacher/reference weights: float32 (the student's numerics, so
-    #   identical models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)
+    eval_every: int = arg(5, "validation every N iterations (1 <= N <= W) and at a phase's last iteration")
+    eval_temperature: float = arg(0.4, "sampling temperature of validations and the end-of-phase reports")
+    eval_episodes: Optional[int] = arg(None, "cap every panel, for quick checks (ALFWorld: round-robin over task "
+                                       "types; WebShop: the first N goals); None = the whole panel")
+    save_every: int = arg(10, "resumable checkpoint every N iterations (also at phase ends, retirement; 0: only there)")
+    keep_checkpoints: int = arg(2, "how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)")
+    frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
+                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)")
 
-
-# `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
-# a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
-# On ALFWorld's fixture games and the built-in WebShop catalogue the tiny model only runs the code
-# paths: small and quick, no warm start (it knows only the kitchen), and since it never wins (S_T =
-# 0) the teacher retires on a fixed schedule halfway through phase 2, unless --teacher-success or
-# --retire-at is given.
-TINY_PRESET_ELSEWHERE = dict(warm_start=0, teacher_iterations=None, iterations=10, batch_tasks=2, group_size=4,
-                             max_response_tokens=32, eval_episodes=4, lr=1e-4, lr_warmup_steps=0,
-                             retire_at="half")
-TINY_PRESET = dict(
-    env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
-    group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=16, opd_mini_batch=16,
-    window=3, eval_every=3, lr=5e-4, lr_warmup_steps=30, entropy_coef=0.0, kl_coef=0.0, opd_coef=0.1,
-)
 
 # ==================================================================================================
 # 2. Skills and prompts
 # ==================================================================================================
-# The privileged information of self-OPD: short strategy notes per task type. Only the teacher
-# sees them (phase 1 while it trains, phase 2 when it scores the student's tokens). They are
-# plain data so that a reader sees exactly what the teacher sees. Written by us.
+# What the teacher sees beyond the student: the task type's skill block (skill_text). The skill texts
+# are plain data, written by us, beside each environment in section 7: SKILLS[env][task_type].
+
+FORMAT_INSTRUCTION = (
+    "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
+    "<action> </action>."
+)
+# One line that says where the agent is; the prompt is a lone user message (no system turn of ours:
+# a Qwen2.5-Instruct chat template then adds its own default system turn, as in the authors' runs).
+ENV_INTRO = {
+    "alfworld": "You are an agent in ALFWorld, a text-based household.",
+    "webshop": "You are an agent shopping in WebShop, a text-based web store.",
+    "kitchen": "You are a cook in a text-based kitchen.",
+}
+
+
+def skill_text(env_name: str, task_type: str) -> str:
+    """The teacher's privileged skill block for one task: general rules + the task type's rules."""
+    rules = SKILLS[env_name]["general"] + SKILLS[env_name].get(task_type, [])
+    return "Skills for this task:\n" + "\n".join(f"- {rule}" for rule in rules)
+
+
+def build_user_message(env_name: str, task: str, steps_taken: int, history: list[tuple[str, str]],
+                       observation: str, admissible: list[str], skills: str = "") -> str:
+    """The user message of s_t (student, skills="") or s_t^T (teacher, skills=the skill block).
+
+    The content of the authors' verl-agent prompts, in our words: the task, the steps taken, the
+    last H (observation, action) pairs, the observation, the admissible actions, the format. One
+    function builds both, so the teacher's prompt is the student's plus the skill block.
+    """
+    parts = [skills] if skills else []
+    parts.append(f"{ENV_INTRO[env_name]} Your task: {task}")
+    steps = f"You have taken {steps_taken} step(s)."
+    parts.append(steps + f" Your last {len(history)} observation(s) and action(s):\n" + "\n".join(
+        f"Observation: {obs}\nAction: {act}" for obs, act in history) if history else steps)
+    parts.append(f"Current observation:\n{observation}")
+    parts.append("Admissible actions: " + ", ".join(f"'{a}'" for a in admissible))
+    parts.append(FORMAT_INSTRUCTION)
+    return "\n\n".join(parts)
+
+
+CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+
+
+def action_from_answer(response: str) -> Optional[str]:
+    """The action in `<think>...</think><action>...</action>`, lowercased, or None if malformed:
+    a missing <think> or <action> tag pair, or any CJK character. The rollout turns None into a
+    no-op for the environment and a -0.1 turn penalty."""
+    match = re.search(r"<action>(.*?)</action>", response, re.DOTALL)
+    if CJK_RE.search(response) or not re.search(r"<think>.*?</think>", response, re.DOTALL) or match is None:
+        return None
+    return match.group(1).strip().lower() or None
+
+
+# ==================================================================================================
+# 3. The math: one small pure function per equation
+# ==================================================================================================
+# Notation: episode i of group g (all G episodes of a group play the same task), turn t, response
+# token k. r_{i,t} is the turn's score; l^old, l^T, l^theta are the log-probs of a sampled token
+# under the rollout policy, the teacher (on the skill-augmented prompt s_t^T) and the policy being
+# updated.
+
+
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantage of every turn-sample, normalised within its group.      (paper: RL backbone)
+
+        A_{i,t} = (r_{i,t} - mean_g) / (std_g + eps)
+
+    scores: (N,) r_{i,t}; group_ids: (N,) each sample's group. Returns (N,) float32. Mean and
+    unbiased std over *all turn-samples of the group* (verl-agent: each turn is one sample). A
+    group of equal scores, or of one sample, carries no signal and gets exactly 0 (never NaN).
+    """
+    advantages = torch.zeros_like(scores, dtype=torch.float64)
+    for group in torch.unique(group_ids):
+        members = group_ids == group
+        group_scores = scores[members].double()
+        if len(group_scores) > 1 and group_scores.max() > group_scores.min():
+            advantages[members] = (group_scores - group_scores.mean()) / (group_scores.std() + eps)
+    return advantages.float()
+
+
+def turn_scores(won: bool, malformed: list, success_reward: float = 10.0, penalty: float = 0.1) -> list:
+    """The score of every turn of one episode, what GRPO normalises.          (paper: the reward)
+
+        R_i = success_reward [episode i won],   r_{i,t} = R_i - penalty [turn t was malformed]
+
+    malformed: one flag per turn. Every turn shares the episode's outcome; a malformed answer costs
+    its own turn only. Returns one float per turn."""
+    episode_reward = success_reward if won else 0.0
+    return [episode_reward - penalty * bool(flag) for flag in malformed]
+
+
+def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.Module,
+                   chunk: int = 1024, with_entropy: bool = False):
+    """log pi(token) at response positions only, in chunks of rows.         (paper: every l above)
+
+        l_k = z_k[y_k] - logsumexp(z_k),   z_k = lm_head(h_k)
+        H_k = logsumexp(z_k) - sum_v softmax(z_k)_v z_{k,v}        (entropy, if asked)
+
+    hidden: (N, H) final hidden states at the N positions that *predict* response tokens; tokens:
+    (N,) the sampled ids. Returns (N,) float32 log-probs (and entropies). With a 151,936-token
+    vocabulary a (batch, seq, vocab) fp32 log-softmax takes gigabytes: here at most `chunk` rows of
+    logits exist at once, recomputed in backward (checkpointed). For logits, pass lm_head=Identity.
+    """
+    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+
+    def one_chunk(h, y):
+        with torch.autocast(h.device.type, enabled=False):  # fp32 logits even under bf16 autocast
+            if weight is not None and weight.dtype != torch.float32:  # a bf16 frozen model: its
+                logits = torch.nn.functional.linear(h.float(), weight.float(),  # weights, fp32 sums
+                                                    None if bias is None else bias.float())
+            else:
+                logits = lm_head(h.float()).float()
+        log_norm = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - log_norm
+        if not with_entropy:
+            return logp, torch.zeros_like(logp)
+        return logp, log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start:start + chunk], tokens[start:start + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            logp, entropy = torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False)
+        else:
+            logp, entropy = one_chunk(h, y)
+        logps.append(logp)
+        entropies.append(entropy)
+    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+    entropy = torch.cat(entropies) if entropies else torch.zeros_like(logp)
+    return (logp, entropy) if with_entropy else logp
+
+
+def k3(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate of KL(pi || other) per token sampled from pi: unbiased, never negative.
+
+        k3_k = exp(l^other_k - l_k) - 1 + (l_k - l^other_k)      (..., T) -> (..., T)
+    """
+    log_ratio = other_logp - logp
+    return torch.exp(log_ratio) - 1 - log_ratio
+
+
+def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: Optional[torch.Tensor] = None):
+    """The retirement statistic K of one iteration, and its k3 companion.   (paper: Sec. retirement)
+
+        K    = sum_k mask_k (l^old_k - l^T_k) / sum_k mask_k        (signed: the k1 estimate)
+        K_k3 = sum_k mask_k k3(l^old_k, l^T_k) / sum_k mask_k       (never negative)
+
+    Both estimate KL(student || teacher) on the student's samples, over every response token of the
+    iteration. K is what the rule reads (the authors' K = -gap_mean): it can be negative. K_k3 is
+    the diagnostic a plot shows beside it. Returns two floats.
+    """
+    mask = torch.ones_like(old_logp) if mask is None else mask
+    tokens = mask.sum().clamp(min=1)
+    gap = float(((old_logp - teacher_logp) * mask).sum() / tokens)
+    return gap, float((k3(old_logp, teacher_logp) * mask).sum() / tokens)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip: float = 0.2, dual_clip: float = 3.0,
+                ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
+                num_tokens: Optional[float] = None):
+    """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
+                                                                     (paper: the RL backbone)
+        ratio_k = exp(clamp(l^theta_k - l^old_k, -20, 20))   (verl's clamp: never inf)
+        L^clip_k = max(-ratio_k A_k, -clip(ratio_k, 1-eps, 1+eps) A_k)
+        L^PG_k  = min(L^clip_k, -c A_k)  where A_k < 0  (dual clip: a huge ratio on a bad token
+                  cannot blow the loss up),  L^clip_k elsewhere
+        L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
+
+    (B, T) tensors (any matching shape); advantages per token. The KL clamp at 10 is verl's
+    low_var_kl. num_tokens: the whole mini-batch's token count (default mask.sum()), so that
+    micro-batch losses add up to its token-mean; the stats (pg_loss, clip_frac, dual_clip_frac,
+    approx_kl_old = mean l^old - l^theta, kl_ref, entropy) add up the same way. Returns (loss, stats).
+    """
+    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_cap = -advantages * dual_clip
+    per_token = torch.where(advantages < 0, torch.minimum(clip_loss, dual_cap), clip_loss)
+    mean = lambda values: float((values.detach().float() * mask).sum() / num_tokens)  # noqa: E731
+    stats = {"pg_loss": mean(per_token), "clip_frac": mean(clipped > unclipped),
+             "dual_clip_frac": mean((clip_loss > dual_cap) & (advantages < 0)),
+             "approx_kl_old": mean(old_logp - logp)}
+    if kl_coef > 0 and ref_logp is not None:
+        kl_ref = torch.clamp(k3(logp, ref_logp), max=10.0)
+        per_token = per_token + kl_coef * kl_ref
+        stats["kl_ref"] = mean(kl_ref)
+    if entropy_coef > 0 and entropy is not None:
+        per_token = per_token - entropy_coef * entropy
+        stats["entropy"] = mean(entropy)
+    return (per_token * mask).sum() / num_tokens, stats
+
+
+def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
+             num_tokens: Optional[float] = None):
+    """The on-policy distillation loss, a term of its own outside the PPO clip.  (paper: OPD term)
+
+        rho_k  = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
+        k3_k   = exp(min(l^T_k - l^theta_k, 20)) - 1 + (l^theta_k - l^T_k)
+        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD
+
+    (B, T) tensors; l^old and l^T are constants. d(rho k3)/dl^theta = rho (l^theta - l^T): the
+    reverse-KL policy gradient with an unclipped, importance-weighted per-token advantage
+    lambda (l^T - l^theta), pushing the student toward tokens the teacher finds likelier. (The naive
+    mean(l^theta - l^T) has zero expected gradient: E_pi[grad log pi] = 0.) Returns (loss, stats).
+    """
+    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
+    teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
+    weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
+    k3_teacher = torch.exp(torch.clamp(teacher_logp - logp, max=20.0)) - 1 + (logp - teacher_logp)
+    loss = (weight * k3_teacher * mask).sum() / num_tokens
+    return loss, {"opd_loss": float(loss.detach())}
+
+
+def combined_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
+                  advantages: Optional[torch.Tensor] = None, teacher_logp: Optional[torch.Tensor] = None,
+                  opd_coef: float = 0.0, num_tokens: Optional[float] = None, **ppo):
+    """The loss minimised on one (micro-)batch.          (paper: the student's objective)
+
+        L = L_PPO(A) + kl_coef KL_ref - entropy_coef H  +  lambda L_OPD
+
+    advantages None (--algo opd): lambda L_OPD alone. teacher_logp None or lambda = 0 (phase 1, GRPO,
+    after retirement): no OPD term. ppo: policy_loss's other arguments. Returns (loss, stats)."""
+    loss, stats = logp.new_zeros(()), {}
+    if advantages is not None:
+        loss, stats = policy_loss(logp, old_logp, advantages, mask, num_tokens=num_tokens, **ppo)
+    if teacher_logp is not None and opd_coef > 0:
+        distill, distill_stats = opd_loss(logp, old_logp, teacher_logp, mask, num_tokens)
+        loss, stats = loss + opd_coef * distill, {**stats, **distill_stats}
+    return loss, stats
+
+
+# ----- the retirement rule: the authors' state machine, as pure pieces and one latched state ------
+# Each phase-2 iteration's K goes into a block of W iterations. At every validation the oldest full
+# block not yet judged is judged against the previous judged one; the first only sets the baselines.
+
+
+def alignment_progress(previous_block: Optional[float], block: float, eps: float = 1e-8) -> Optional[float]:
+    """How much the gap shrank from one block to the next.          (paper: retirement condition i)
+
+        progress = (K_{m-1} - K_m) / K_{m-1}
+
+    None (the criterion is invalid) without a previous block or when |K_{m-1}| <= eps.
+    "Stopped shrinking": progress <= threshold (0.0), the gap did not decrease at all."""
+    if previous_block is None or abs(previous_block) <= eps:
+        return None
+    return (previous_block - block) / previous_block
+
+
+def competence(success: float, previous_success: float, teacher_success: float) -> float:
+    """The student's competence relative to its teacher.            (paper: retirement condition ii)
+
+        competence = (S_m + S_{m-1}) / (2 S_T)
+
+    S_m, S_{m-1}: the student's validation successes at this and the previous judging validation;
+    S_T > 0: the teacher's validation success with skills."""
+    return (success + previous_success) / (2 * teacher_success)
+
+
+def should_retire(progress: Optional[float], competence_ratio: Optional[float], threshold: float = 0.0,
+                  rho: float = 0.9) -> bool:
+    """Both conditions: the criterion is valid, progress <= threshold and competence >= rho."""
+    return progress is not None and competence_ratio is not None and progress <= threshold \
+        and competence_ratio >= rho
+
+
+def teacher_success_rate(validations: list) -> float:
+    """S_T, the teacher's validation success with skills: the mean of its last two validations (one
+    only: that one), as the student's side of the rule averages two. The authors type it in."""
+    last_two = validations[-2:]
+    return sum(last_two) / len(last_two)
+
+
+@dataclass
+class Retirement:
+    """Phase 2's retirement state: K blocks, the judged baselines, the latch. mode "adaptive": the
+    rule above; "fixed": --retire-at N (the teacher scores N iterations); "never": grpo+opd and opd
+    (the numbers are still logged). Saved in every checkpoint: a resume decides as an uninterrupted run."""
+    teacher_success: Optional[float]  # S_T (> 0 for the adaptive rule)
+    mode: str = "adaptive"
+    window: int = 5
+    threshold: float = 0.0
+    rho: float = 0.9
+    retire_at: Optional[int] = None
+    eps: float = 1e-8
+    pending: list = field(default_factory=list)  # K of the block being filled
+    blocks: list = field(default_factory=list)  # [last iteration, mean K] of each full block
+    judged: int = 0  # blocks judged so far (FIFO)
+    previous_block: Optional[float] = None  # K_{m-1}
+    previous_success: Optional[float] = None  # S_{m-1}
+    retired: bool = False
+    retired_at: Optional[int] = None  # the first phase-2 iteration that runs without the teacher
+
+    def observe_gap(self, iteration: int, gap: float) -> dict:
+        """Buffer one iteration's K; returns {"gap_block": mean} when this iteration fills a block."""
+        self.pending.append(gap)
+        if len(self.pending) < self.window:
+            return {}
+        self.blocks.append([iteration, sum(self.pending) / self.window])
+        self.pending = []
+        return {"gap_block": self.blocks[-1][1]}
+
+    def observe_validation(self, iteration: int, success: float) -> dict:
+        """Judge the oldest unjudged full block, if any, with this validation's success."""
+        record = {"val_success": success, "progress": None, "competence": None, "criterion_valid": False}
+        if self.judged == len(self.blocks):
+            return record  # no full block since the last judgement: nothing to judge
+        block = self.blocks[self.judged][1]
+        record["judged_block"] = block
+        if self.previous_block is not None and self.teacher_success:
+            progress = alignment_progress(self.previous_block, block, self.eps)
+            competence_ratio = competence(success, self.previous_success, self.teacher_success)
+            record.update(progress=progress, competence=competence_ratio,
+                          criterion_valid=progress is not None)
+        self.previous_block, self.previous_success, self.judged = block, success, self.judged + 1
+        if self.mode == "adaptive" and not self.retired and should_retire(
+                record["progress"], record["competence"], self.threshold, self.rho):
+            self.retired, self.retired_at = True, iteration + 1  # the latch: never re-enabled
+        return record
+
+    def observe_schedule(self, iteration: int) -> None:
+        """--retire-at N: the teacher scores iterations 0..N-1."""
+        if self.mode == "fixed" and not self.retired and iteration + 1 >= self.retire_at:
+            self.retired, self.retired_at = True, iteration + 1
+
+
+# ==================================================================================================
+# 4. Rollout: B tasks x G episodes, played in lock-step
+# ==================================================================================================
+# At every turn the prompts of all active episodes are answered in one batched call (generate: the
+# full distribution at temperature 1), then every environment is stepped. Each turn is one training
+# sample. The policy's prompt carries skills only in phase 1; in phase 2 the teacher prompt s_t^T of
+# the same turn is stored beside the student's, for the teacher to score.
+
+
+@dataclass
+class TurnSample:
+    group: int  # g: which task of the iteration (all G episodes of a task share it)
+    episode: int  # i: which episode
+    prompt_ids: list  # the policy's prompt tokens (s_t; with skills in phase 1)
+    response_ids: list  # y: the tokens the policy sampled (ending in EOS unless cut)
+    malformed: bool  # no <think>/<action> pair, CJK, or cut at max_response_tokens
+    teacher_prompt_ids: Optional[list] = None  # s_t^T, when a teacher will score y
+    score: float = 0.0  # r_{i,t} (turn_scores), set when the episode ends
+    sample_logp: Optional[torch.Tensor] = None  # (len(y),) log-probs of y as the sampler saw them
+
+
+def encode_prompt(tokenizer, user_message: str) -> list:
+    messages = [{"role": "user", "content": user_message}]  # the template adds its default system turn
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def episode_prompts(tokenizer, episode: EpisodeState, cfg: Config, skills: str) -> tuple[list, list, bool]:
+    """(student prompt ids, teacher prompt ids, truncated) for the episode's current turn. A student
+    prompt over max_prompt_tokens drops history pairs, then keeps the observation's tail; the
+    teacher prompt is the same content plus the skill block, never cut."""
+    history, observation, truncated = episode.history[-cfg.history:] if cfg.history else [], \
+        episode.observation, False
+    while True:
+        student = encode_prompt(tokenizer, build_user_message(
+            cfg.env, episode.task, episode.turns, history, observation, episode.admissible))
+        if len(student) <= cfg.max_prompt_tokens:
+            break
+        truncated = True
+        if history:
+            history = history[1:]
+        elif len(observation) > 200:
+            observation = "..." + observation[len(observation) // 2:]
+        else:
+            break  # the admissible list alone is too long: keep it, the budget is advisory here
+    teacher = encode_prompt(tokenizer, build_user_message(
+        cfg.env, episode.task, episode.turns, history, observation, episode.admissible, skills)) \
+        if skills else student
+    return student, teacher, truncated
+
+
+def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, group_size: int,
+            skills_in_prompt: bool, with_teacher_prompts: bool, temperature: float, desc: str = "rollout"):
+    """Play len(tasks) * group_size episodes in lock-step. Returns (samples, episodes, stats).
+    skills_in_prompt: the policy's own prompt carries the skill block (phase 1, the teacher's
+    evaluation). with_teacher_prompts: also store s_t^T of every turn, for a teacher to score."""
+    meter = RolloutMeter(cfg.max_turns, desc)  # timers, counts and the progress bar (plumbing)
+    episodes = [EpisodeState(suite.new_episode(task, group), group, index=group * group_size + member)
+                for group, task in enumerate(tasks) for member in range(group_size)]
+    with meter.env():
+        start_episodes(episodes)
+    samples: list[TurnSample] = []
+    model.eval()
+    for _turn in range(cfg.max_turns):
+        active = [episode for episode in episodes if not episode.done]
+        if not active:
+            break
+        prompts, teacher_prompts = [], []
+        for episode in active:
+            student, teacher, truncated = episode_prompts(tokenizer, episode, cfg,
+                                                          skill_text(cfg.env, episode.task_type))
+            prompts.append(teacher if skills_in_prompt else student)
+            teacher_prompts.append(teacher if with_teacher_prompts else None)
+            meter.prompts_truncated += truncated
+        with meter.generate():
+            responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature,
+                                 prefill_batch=cfg.prefill_batch)
+        actions = []  # (episode, action); a malformed answer is a no-op: its env is not stepped
+        for episode, prompt, teacher_prompt, response in zip(active, prompts, teacher_prompts, responses):
+            action = None if response.hit_cap else action_from_answer(
+                tokenizer.decode(response.ids, skip_special_tokens=True))
+            episode.samples.append(TurnSample(episode.group, episode.index, prompt, response.ids, action is None,
+                                              teacher_prompt, sample_logp=response.logp))
+            episode.turns += 1
+            if action is not None:
+                actions.append((episode, action))
+        with meter.env():
+            step_episodes(actions, active, cfg.max_turns)
+        meter.turn_done(responses, active, episodes)
+        samples += [episode.samples[-1] for episode in active]
+    with meter.env():
+        close_episodes(episodes)
+    for episode in episodes:  # r_{i,t}: every turn of an episode shares its outcome
+        malformed = [sample.malformed for sample in episode.samples]
+        for sample, score in zip(episode.samples, turn_scores(episode.won, malformed, cfg.success_reward,
+                                                              cfg.malformed_penalty)):
+            sample.score = score
+    return samples, episodes, meter.stats(episodes, samples, cfg)
+
+
+# ==================================================================================================
+# 5. Update: log-probs of the sampled tokens, then the combined loss in mini-batches
+# ==================================================================================================
+
+
+@torch.no_grad()
+def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = False) -> list:
+    """Each sample's response log-probs under `model`, no gradient: l^old (the rollout policy), l^T
+    (the teacher; teacher_prompt=True scores y on s_t^T) or the reference's. One (len(y),) CPU
+    tensor per sample, computed in token-budget micro-batches."""
+    model.eval()
+    prompts = [s.teacher_prompt_ids if teacher_prompt else s.prompt_ids for s in samples]
+    lengths = [len(p) + len(s.response_ids) for p, s in zip(prompts, samples)]
+    out: list = [None] * len(samples)
+    for batch in make_micro_batches(lengths, cfg.token_budget):
+        flat = sequence_logprobs(model, [prompts[i] for i in batch], [samples[i].response_ids for i in batch], cfg)
+        for i, logp in zip(batch, flat.split([len(samples[i].response_ids) for i in batch])):
+            out[i] = logp.float().cpu()
+    return out
+
+
+def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Optional[list], cfg: Config, *,
+               mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
+               teacher_logp: Optional[list] = None, opd_coef: float = 0.0,
+               rng: Optional[random.Random] = None) -> dict:
+    """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch: its
+    combined_loss is the token-mean over the whole mini-batch, accumulated over micro-batches of
+    at most cfg.token_budget padded tokens. advantages[i]: (len(y_i),), None for pure OPD;
+    teacher_logp: l^T of the same tokens, None for no OPD term. A non-finite loss or gradient
+    skips its step (counted, never applied). Returns the update's metrics."""
+    rng = rng or random.Random(0)
+    device = next(model.parameters()).device
+    meter = UpdateMeter()  # loss and stat sums, token counts, gradient norms (plumbing)
+    with_entropy = advantages is not None and cfg.entropy_coef > 0
+    model.train()
+    for _epoch in range(cfg.ppo_epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for start in range(0, len(order), mini_batch):
+            mini = order[start:start + mini_batch]
+            num_tokens = sum(len(samples[i].response_ids) for i in mini)  # the mini-batch's token count
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for idx in meter.micro_batches(samples, mini, cfg.token_budget):
+                scored = sequence_logprobs(model, [samples[i].prompt_ids for i in idx],
+                                           [samples[i].response_ids for i in idx], cfg, with_entropy=with_entropy)
+                logp, entropy = scored if with_entropy else (scored, None)
+                cat = lambda per_sample: None if per_sample is None else (  # noqa: E731
+                    torch.cat([per_sample[i] for i in idx]).to(device))
+                loss, stats = combined_loss(
+                    logp, cat(old_logp), torch.ones_like(logp), advantages=cat(advantages), clip=cfg.clip_eps,
+                    dual_clip=cfg.dual_clip, ref_logp=cat(ref_logp), kl_coef=kl_coef, entropy=entropy,
+                    entropy_coef=cfg.entropy_coef, teacher_logp=cat(teacher_logp), opd_coef=opd_coef,
+                    num_tokens=num_tokens)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                meter.add(loss, stats)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if not finite or not torch.isfinite(grad_norm):
+                meter.skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            set_warmup_lr(optimizer, cfg)  # linear warm-up over --lr-warmup-steps, then cfg.lr
+            optimizer.step()
+            meter.stepped(grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return meter.stats()
+
+
+# ==================================================================================================
+# 6. One iteration, a phase, the two phases
+# ==================================================================================================
+
+
+def phase_protocol(cfg: Config, distilling: bool) -> tuple[int, float]:
+    """(turn-samples per optimizer step, KL-to-reference coefficient) of a phase, as the authors run
+    them: phase 1 and --algo grpo 256 / 64 with KL 0.01; phase 2 with a teacher 128, no KL."""
+    return (cfg.opd_mini_batch, cfg.opd_kl_coef) if distilling else (cfg.mini_batch, cfg.kl_coef)
+
+
+def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config, tasks: list, *,
+                    skills_in_prompt: bool, frozen: FrozenModels, grpo_loss: bool, mini_batch: int,
+                    kl_coef: float, rng: random.Random, desc: str = "rollout") -> dict:
+    """One iteration on `tasks`: rollout -> advantages -> log-probs -> update; returns its metrics.
+    A teacher in `frozen` (phase 2, until retired) scores the sampled tokens on s_t^T: the gap K and
+    the OPD term. grpo_loss=False (--algo opd) trains on lambda * L_OPD alone."""
+    teacher = frozen.teacher
+    samples, _, record = rollout(policy, tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
+                                 skills_in_prompt=skills_in_prompt, with_teacher_prompts=teacher is not None,
+                                 temperature=cfg.temperature, desc=desc)
+    if not samples:
+        raise RuntimeError("no turn-samples were produced: every episode failed at reset")
+    # GRPO advantages: each turn's r_{i,t} normalised within its group, repeated over its tokens
+    advantages = None
+    if grpo_loss:
+        group_advantages = grpo_advantages(torch.tensor([s.score for s in samples]),
+                                           torch.tensor([s.group for s in samples]))
+        advantages = [torch.full((len(s.response_ids),), float(a)) for s, a in zip(samples, group_advantages)]
+    # log-probs of the sampled tokens: l^old (the rollout policy), l^T (the teacher, on s_t^T), the reference
+    with timed(record, "t_old_logp"):
+        old_logp = response_logprobs(policy, samples, cfg)
+    record.update(sample_logp_gap(samples, old_logp))
+    teacher_logp = ref_logp = None
+    if teacher is not None:
+        with timed(record, "t_teacher"):
+            teacher_logp = response_logprobs(teacher, samples, cfg, teacher_prompt=True)
+        record["gap"], record["gap_k3"] = teacher_student_gap(torch.cat(old_logp), torch.cat(teacher_logp))
+    if frozen.reference is not None and kl_coef > 0:
+        with timed(record, "t_reference"):
+            ref_logp = response_logprobs(frozen.reference, samples, cfg)
+    # the update: L = L_PPO + kl_coef KL_ref - entropy_coef H + lambda L_OPD (lambda = 0 without a teacher)
+    record["opd_coef"] = cfg.opd_coef if teacher is not None else 0.0
+    with timed(record, "t_update"):
+        record.update(ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, mini_batch=mini_batch,
+                                 kl_coef=kl_coef, ref_logp=ref_logp, teacher_logp=teacher_logp,
+                                 opd_coef=record["opd_coef"], rng=rng))
+    record["train_tokens_per_s"] = record["trained_tokens"] / max(record["t_update"], 1e-9)
+    return record
+
+
+def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run, *,
+                skills_in_prompt: bool, frozen: FrozenModels, grpo_loss: bool = True,
+                retirement: Optional[Retirement] = None, resume: Optional[dict] = None) -> list:
+    """One phase: its iterations, a validation every --eval-every, and (phase 2) the retirement rule
+    fed with every K and validation; at retirement the teacher is released. Returns the validation
+    successes. resume: a checkpoint's trainer state; training goes on after its iteration."""
+    device = next(policy.parameters()).device
+    optimizer = build_adamw(policy, cfg)
+    rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
+    torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase))  # sampling: a fixed stream per phase
+    # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
+    mini_batch, kl_coef = phase_protocol(cfg, distilling=retirement is not None or frozen.teacher is not None)
+    val_successes, first = restore_phase(resume, optimizer, rng, device) if resume else ([], 0)
+    iterations = phase_iterations(cfg, phase)
+    bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True, initial=first,
+               total=iterations)
+    for iteration in bar:
+        started = start_measuring(device)
+        tasks = [rng.choice(suite.train) for _ in range(cfg.batch_tasks)]
+        teacher_active = frozen.teacher is not None
+        record = {"phase": phase, "iteration": iteration, **train_iteration(
+            policy, optimizer, tokenizer, suite, cfg, tasks, skills_in_prompt=skills_in_prompt, frozen=frozen,
+            grpo_loss=grpo_loss, mini_batch=mini_batch, kl_coef=kl_coef, rng=rng, desc=f"{phase} {iteration} rollout")}
+        rule_active = retirement is not None and teacher_active
+        if rule_active:
+            record.update(retirement.observe_gap(iteration, record["gap"]))
+        if validation_due(cfg, iteration, iterations):  # the fixed panel: feeds S_T (phase 1) and the rule
+            result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=skills_in_prompt,
+                              desc=f"{phase} validation")
+            run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation", **result})
+            record["val_success"] = result["overall"]
+            val_successes.append(result["overall"])
+            if rule_active:
+                record.update(retirement.observe_validation(iteration, result["overall"]))
+        if rule_active:
+            retirement.observe_schedule(iteration)  # (--retire-at N)
+        retired_now = rule_active and retirement.retired
+        if retired_now:  # from the next iteration on: no OPD term, no teacher forward
+            run.log_retirement(iteration, retirement, record)
+            frozen.release_teacher()
+        record.update(teacher_active=teacher_active, retired=bool(retirement and retirement.retired))
+        if retirement is not None:
+            record["teacher_success"] = retirement.teacher_success
+        run.log_iteration(record, started, device)
+        run.checkpoint_phase(policy, tokenizer, phase, iteration, iterations, retired_now, optimizer=optimizer,
+                             rng=rng, val_successes=val_successes, retirement=retirement)
+        bar.set_postfix(progress_postfix(record, val_successes, retirement))
+    return val_successes
+
+
+def teacher_phase(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> float:
+    """Phase 1, Skill-GRPO: the base model trained with GRPO while the task's skills sit in its
+    prompt, then frozen and saved. Returns S_T, its validation success with skills."""
+    policy, tokenizer, resume = models.policy("teacher")
+    _, kl_coef = phase_protocol(cfg, distilling=False)
+    frozen = FrozenModels(reference=models.frozen(models.base) if kl_coef > 0 else None)
+    print_memory_estimate(policy, cfg, run, "phase 1", frozen, skill_tokens=1024)
+    validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, skills_in_prompt=True, frozen=frozen,
+                              resume=resume)
+    teacher_success = teacher_success_rate(validations)
+    for skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo reports both ways
+        run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=skills,
+                                           desc=f"teacher report ({'skills' if skills else 'no skills'})"))
+    run.save_teacher(policy, tokenizer, teacher_success, validations)
+    return teacher_success
+
+
+def student_phase(cfg: Config, suite: TaskSuite, run: Run, models: Models, teacher_success: Optional[float]):
+    """Phase 2: a fresh, skill-free student from the base model, trained as ALGORITHMS[cfg.algo]
+    says: GRPO, plus lambda * L_OPD toward the frozen teacher until it retires (or never)."""
+    algorithm = ALGORITHMS[cfg.algo]
+    policy, tokenizer, resume = models.policy("student")
+    retirement = None
+    if algorithm.opd_loss:
+        mode = "fixed" if cfg.retire_at is not None else (algorithm.retirement or "never")
+        retirement = Retirement(teacher_success, mode, cfg.window, cfg.alignment_threshold, cfg.rho, cfg.retire_at)
+        if resume is not None and resume["retirement"] is not None:  # the rule's whole state, as it was saved
+            retirement = Retirement(**resume["retirement"])
+    _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd_loss)
+    frozen = FrozenModels(teacher=models.frozen(models.teacher_dir) if retirement and not retirement.retired else None,
+                          reference=models.frozen(models.base) if kl_coef > 0 else None)
+    print_memory_estimate(policy, cfg, run, "phase 2", frozen)
+    train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
+                grpo_loss=algorithm.grpo_loss, retirement=retirement, resume=resume)
+    run.log_report("student", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=False,
+                                       desc="student report"))
+    run.save_student(policy, tokenizer, teacher_success, retirement)
+
+
+def train(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
+    """The two phases, as ALGORITHMS[cfg.algo] says. A phase whose model is saved is not redone."""
+    algorithm = ALGORITHMS[cfg.algo]
+    if algorithm.teacher_phase and not models.teacher_saved():
+        teacher_phase(cfg, suite, run, models)
+        gc.collect()  # the teacher is saved; its training copy and optimizer leave memory
+    if algorithm.student_phase and "student" not in run.finished_phases():
+        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.opd_loss else None
+        student_phase(cfg, suite, run, models, teacher_success)
+
+
+# ==================================================================================================
+# Everything below is plumbing: it does not change the math. Environments, models, speed and memory,
+# the run folder, the plot, the command line, the benchmark, main.
+# ==================================================================================================
+####################################################################################################
+
+
+# ==================================================================================================
+# 7. Environments: the kitchen, WebShop, ALFWorld (alfworld_env.py) behind one interface
+# ==================================================================================================
+# Every environment is driven through one small interface, so the rollout loop does not care which
+# one it plays:  env.reset() -> (observation, info)  and  env.step(action) -> (observation, reward,
+# done, info), where info carries "task", "task_type" (the skill key), "admissible" and "won". The
+# reward slot is the environment's own (ALFWorld 1 on a win, WebShop the purchase score, the kitchen
+# 1 on a win); the training loop reads only `won` (R_i, turn_scores). A malformed model answer is a
+# no-op: the rollout loop does not call step at all.
+
+# ----- The skills: the privileged information of self-OPD, plain data (SPEC: skills) --------------
+# Short strategy notes per task type, written by us. Only the teacher sees them (phase 1 while it
+# trains, phase 2 when it scores the student's tokens).
 
 ALFWORLD_SKILLS = {
     "general": [
@@ -247,6 +854,7 @@ ALFWORLD_SKILLS = {
     ],
 }
 
+
 WEBSHOP_SKILLS = {
     "general": [
         "Search with the product type and its two or three most specific attributes; leave out the "
@@ -263,6 +871,7 @@ WEBSHOP_SKILLS = {
     "furniture": ["Match the material, colour and dimensions; a 'set of 2' must say so in the title."],
     "electronics": ["Match the device it is for, the capacity and the connector type in the title."],
 }
+
 
 # The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, an ingredient and
 # a way to cook it, and nothing in the task says which. The skills name it, so in this kitchen the
@@ -284,764 +893,19 @@ KITCHEN_SKILLS = {
 }
 SKILLS = {"alfworld": ALFWORLD_SKILLS, "webshop": WEBSHOP_SKILLS, "kitchen": KITCHEN_SKILLS}
 
-FORMAT_INSTRUCTION = (
-    "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
-    "<action> </action>."
-)
-# One line that says where the agent is; the prompt is a lone user message (no system turn of ours:
-# a Qwen2.5-Instruct chat template then adds its own default system turn, as in the authors' runs).
-ENV_INTRO = {
-    "alfworld": "You are an agent in ALFWorld, a text-based household.",
-    "webshop": "You are an agent shopping in WebShop, a text-based web store.",
-    "kitchen": "You are a cook in a text-based kitchen.",
-}
 
-
-def skill_text(env_name: str, task_type: str) -> str:
-    """The teacher's privileged skill block for one task: general rules + the task type's rules."""
-    rules = SKILLS[env_name]["general"] + SKILLS[env_name].get(task_type, [])
-    return "Skills for this task:\n" + "\n".join(f"- {rule}" for rule in rules)
-
-
-def build_user_message(env_name: str, task: str, steps_taken: int, history: list[tuple[str, str]],
-                       observation: str, admissible: list[str], skills: str = "") -> str:
-    """The user message of s_t (student, skills="") or s_t^T (teacher, skills=the skill block).
-
-    The content of the verl-agent prompts the authors train with, in our words: the task, how
-    many steps were already taken, the last H (observation, action) pairs, the current
-    observation, the admissible actions, the answer format. One function builds both prompts,
-    so the teacher's differs from the student's by exactly the skill block, which sits inside
-    the user message before the task.
-    """
-    parts = [skills] if skills else []
-    parts.append(f"{ENV_INTRO[env_name]} Your task: {task}")
-    if history:
-        parts.append(f"You have taken {steps_taken} step(s). Your last {len(history)} observation(s) and action(s):\n" + "\n".join(
-            f"Observation: {obs}\nAction: {act}" for obs, act in history))
-    else:
-        parts.append(f"You have taken {steps_taken} step(s).")
-    parts.append(f"Current observation:\n{observation}")
-    parts.append("Admissible actions: " + ", ".join(f"'{a}'" for a in admissible))
-    parts.append(FORMAT_INSTRUCTION)
-    return "\n\n".join(parts)
-
-
-CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
-
-
-def parse_action(response: str) -> Optional[str]:
-    """The action in `<think>...</think><action>...</action>`, lowercased, or None if malformed.
-
-    Malformed = a missing <think> or <action> tag pair, or any CJK character. The caller
-    turns None into a no-op for the environment and a -0.1 turn penalty.
-    """
-    if CJK_RE.search(response):
-        return None
-    if not re.search(r"<think>.*?</think>", response, re.DOTALL):
-        return None
-    match = re.search(r"<action>(.*?)</action>", response, re.DOTALL)
-    if match is None:
-        return None
-    action = match.group(1).strip().lower()
-    return action or None
-
-# ==================================================================================================
-# 3. Environments
-# ==================================================================================================
-# Both benchmarks are driven through one small interface, so the rollout loop does not care which
-# one it plays:  env.reset() -> (observation, info)   and   env.step(action) -> (observation,
-# reward, done, info), where info carries "task", "task_type" (the skill key), "admissible" and
-# "won". A malformed model answer is a no-op: the rollout loop does not call step at all.
-
-# ----- ALFWorld through the real alfworld/TextWorld text engine ------------------------------------
-# One `AlfWorldEnv` is one episode slot. It drives TextWorld's `PddlEnv` wrapped in alfworld's
-# `AlfredDemangler(shuffle=False)` (object names such as "apple 1") and `AlfredInfos`, the same
-# stack alfworld's `AlfredTWEnv` uses for its evaluation splits, but in-process and one game per
-# object, so the training loop can step B*G episodes in lock-step.
-
-ALFWORLD_TASK_TYPES = (  # alfworld's TASK_TYPES 1..6, in that order
-    "pick_and_place_simple",
-    "look_at_obj_in_light",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "pick_two_obj_and_place",
-)
-ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen")
-ALFWORLD_WIN_REWARD = 10.0
-ALFWORLD_DOWNLOAD_HINT = (
-    "Get the games with `pip install alfworld==0.4.2 && alfworld-download`. It puts them in "
-    "~/.cache/alfworld unless $ALFWORLD_DATA is set; point --alfworld-data (or $ALFWORLD_DATA) at "
-    "the folder that holds json_2.1.1/."
-)
-
-
-class AlfWorldDataError(FileNotFoundError):
-    """The ALFWorld game folder is missing or holds no playable game."""
-
-
-# -----------------------------------------------------------------------------
-# Game discovery
-# -----------------------------------------------------------------------------
-
-def alfworld_data_root(data_root=None):
-    """The ALFWorld data root: `data_root` (--alfworld-data), else $ALFWORLD_DATA, else
-    ~/.cache/alfworld (where `alfworld-download` puts the games). `~` and `$VARS` are expanded."""
-    root = data_root or os.environ.get("ALFWORLD_DATA") or "~/.cache/alfworld"
-    return Path(os.path.expanduser(os.path.expandvars(str(root))))
-
-
-def _alfworld_task_type_or_none(path):
-    """Task type from the nearest folder named `<task_type>-<Obj>-<MRecep>-<Recep>-<scene>`."""
-    for part in reversed(Path(path).parts):
-        head = part.split("-", 1)[0]
-        if head in ALFWORLD_TASK_TYPES:
-            return head
-    return None
-
-
-def alfworld_task_type(path):
-    """Task type of a game (one of ALFWORLD_TASK_TYPES), read from its path, e.g.
-    ".../pick_cool_then_place_in_recep-Apple-None-CounterTop-14/trial_T2019.../game.tw-pddl"."""
-    task_type = _alfworld_task_type_or_none(path)
-    if task_type is None:
-        raise ValueError(f"no ALFWorld task type in the path {path!s}; expected a folder named "
-                         f"'<task_type>-<Object>-<MRecep>-<Recep>-<scene>' with a task type in "
-                         f"{ALFWORLD_TASK_TYPES}")
-    return task_type
-
-
-def _alfworld_game_is_solvable(game_path):
-    try:
-        with open(game_path) as f:
-            return json.load(f).get("solvable") is True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def discover_alfworld_games(data_root=None, split="train"):
-    """Sorted list of playable `game.tw-pddl` paths under `<root>/json_2.1.1/<split>`.
-
-    A trial folder (`<task-folder>/<trial>/`) is kept under the rules of alfworld 0.4.2's
-    `AlfredTWEnv.collect_game_files`: it holds `traj_data.json`; its path (below the split
-    folder) contains neither "movable" nor "Sliced"; its task type is one of the six; it holds
-    `game.tw-pddl`, whose JSON has `"solvable": true` (a missing key or an unreadable file is
-    skipped too). The task type is read from the folder name, not from `traj_data.json` (the same
-    value in ALFRED's layout), so discovery never parses the large trajectory files.
-    Raises AlfWorldDataError if the split folder is missing or holds no playable game.
-    """
-    root = alfworld_data_root(data_root)
-    split_dir = root / "json_2.1.1" / split
-    if not split_dir.is_dir():
-        raise AlfWorldDataError(f"ALFWorld split folder not found: {split_dir}. "
-                                f"{ALFWORLD_DOWNLOAD_HINT}")
-    games = []
-    for dirpath, dirnames, filenames in os.walk(split_dir):
-        dirnames.sort()
-        if "traj_data.json" not in filenames or "game.tw-pddl" not in filenames:
-            continue
-        rel = os.path.relpath(dirpath, split_dir)
-        if "movable" in rel or "Sliced" in rel:
-            continue
-        if _alfworld_task_type_or_none(rel) is None:
-            continue
-        game_path = os.path.join(dirpath, "game.tw-pddl")
-        if _alfworld_game_is_solvable(game_path):
-            games.append(game_path)
-    if not games:
-        raise AlfWorldDataError(f"no playable ALFWorld game (solvable game.tw-pddl + "
-                                f"traj_data.json) under {split_dir}. {ALFWORLD_DOWNLOAD_HINT}")
-    return sorted(games)
-
-
-# -----------------------------------------------------------------------------
-# Engine plumbing: a pool of engines and memoised parsing
-# -----------------------------------------------------------------------------
-# Each TextWorld `PddlEnv` loads its own private copy of fast-downward's 33 MB shared library
-# (its planner state is global C state, so two games cannot share one copy). Copying and
-# loading it takes ~0.1 s, so finished slots hand their engine back to a pool for the next one.
-
-_ALFWORLD_ENGINE_POOL = []
-_ALFWORLD_ENGINE_POOL_MAX = 512
-
-
-def _alfworld_new_engine():
-    import textworld
-    from textworld.envs import PddlEnv
-    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
-    infos = textworld.EnvInfos(won=True, admissible_commands=True)
-    return AlfredInfos(AlfredDemangler(PddlEnv(infos), shuffle=False))
-
-
-def _alfworld_acquire_engine():
-    return _ALFWORLD_ENGINE_POOL.pop() if _ALFWORLD_ENGINE_POOL else _alfworld_new_engine()
-
-
-def _alfworld_release_engine(engine, reusable=True):
-    """Return an engine to the pool. An engine that raised is dropped instead; its library copy
-    stays mapped (unloading it with fast_downward.close_lib makes Python segfault at exit)."""
-    if reusable and len(_ALFWORLD_ENGINE_POOL) < _ALFWORLD_ENGINE_POOL_MAX:
-        _ALFWORLD_ENGINE_POOL.append(engine)
-
-
-class _AlfWorldParseMemo:
-    """Memo tables for the pure, text-in/objects-out parsing steps TextWorld repeats.
-
-    Measured on the 24 real games (2-core CPU): `fast_downward.pddl2sas` (PDDL -> SAS
-    translation) is ~85 % of `reset()` and runs twice per state build, and a state is built at
-    `load()` *and* at every `reset()`; `GameLogic` re-parses the grammar at every `load()`; every
-    `step()` re-parses the same ~30 command/feedback templates and ~20 grammar conditions with a
-    tatsu parser. Memoising them changes no output (a test checks identical text and admissible
-    lists), makes load+reset of a cached game ~10x faster and steps ~2x faster. Translations,
-    GameLogic objects and condition rules are shared read-only between engines; template parses
-    are deep-copied because the caller attaches game state to them.
-    """
-
-    def __init__(self, max_games=64, max_templates=4096):
-        self.max_games = max_games
-        self.max_templates = max_templates
-        self.sas = OrderedDict()      # (optimize, domain, problem) -> (task, sas)
-        self.logic = OrderedDict()    # (domain, grammar) -> GameLogic
-        self.templates = {}           # parser args -> parsed symbols (copied on use)
-        self.conditions = {}          # grammar condition text -> textworld.logic.Rule
-        self.stats = defaultdict(int)
-
-    def _lru(self, table, key, build, limit, name):
-        if key in table:
-            table.move_to_end(key)
-            self.stats[name + "_hits"] += 1
-            return table[key]
-        self.stats[name + "_misses"] += 1
-        value = table[key] = build()
-        while len(table) > limit:
-            table.popitem(last=False)
-        return value
-
-    def clear(self):
-        for table in (self.sas, self.logic, self.templates, self.conditions, self.stats):
-            table.clear()
-
-
-_ALFWORLD_MEMO = _AlfWorldParseMemo()
-_ALFWORLD_PATCH_DEPTH = [0]
-
-
-@contextlib.contextmanager
-def _alfworld_engine_calls(memoise=True):
-    """Context for every call into the engine. Always restores `sys.argv`, which fast-downward's
-    translator overwrites. With `memoise`, routes the four parsing steps through _ALFWORLD_MEMO
-    for the duration of the call only (TextWorld looks them up as module attributes)."""
-    saved_argv = sys.argv
-    if not memoise or _ALFWORLD_PATCH_DEPTH[0] > 0:
-        try:
-            yield
-        finally:
-            sys.argv = saved_argv
-        return
-    import fast_downward
-    import textworld.envs.pddl.logic as pddl_logic
-    import textworld.envs.pddl.textgen as textgen
-    orig_sas, orig_logic, orig_parse, orig_rule = (fast_downward.pddl2sas, pddl_logic.GameLogic,
-                                                   textgen._parse_and_convert, textgen.Rule)
-    memo = _ALFWORLD_MEMO
-
-    def pddl2sas(domain, problem, verbose=False, optimize=False):
-        return memo._lru(memo.sas, (bool(optimize), domain, problem),
-                         lambda: orig_sas(domain, problem, verbose=verbose, optimize=optimize),
-                         2 * memo.max_games, "sas")
-
-    def game_logic(domain, grammar):
-        return memo._lru(memo.logic, (domain, grammar),
-                         lambda: orig_logic(domain=domain, grammar=grammar),
-                         memo.max_games, "logic")
-
-    def parse_and_convert(*args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
-        parsed = memo.templates.get(key)
-        if parsed is None:
-            parsed = orig_parse(*args, **kwargs)
-            if len(memo.templates) >= memo.max_templates:
-                return parsed
-            memo.templates[key] = parsed
-        return copy.deepcopy(parsed)  # the caller attaches engine state to what it gets
-
-    class MemoRule:  # stands in for textworld.logic.Rule, which textgen uses only for this
-        @staticmethod
-        def parse_conjunctive_query(expr):
-            rule = memo.conditions.get(expr)
-            if rule is None:
-                rule = orig_rule.parse_conjunctive_query(expr)
-                if len(memo.conditions) < memo.max_templates:
-                    memo.conditions[expr] = rule
-            return rule
-
-    _ALFWORLD_PATCH_DEPTH[0] += 1
-    fast_downward.pddl2sas, pddl_logic.GameLogic = pddl2sas, game_logic
-    textgen._parse_and_convert, textgen.Rule = parse_and_convert, MemoRule
-    try:
-        yield
-    finally:
-        fast_downward.pddl2sas, pddl_logic.GameLogic = orig_sas, orig_logic
-        textgen._parse_and_convert, textgen.Rule = orig_parse, orig_rule
-        _ALFWORLD_PATCH_DEPTH[0] -= 1
-        sys.argv = saved_argv
-
-
-# -----------------------------------------------------------------------------
-# The environment adapter
-# -----------------------------------------------------------------------------
-
-class AlfWorldEnv:
-    """One ALFWorld episode slot on the real text engine.
-
-        env = AlfWorldEnv(gamefile, max_turns=50)
-        obs, info = env.reset()                      # intro text with "Your task is to: ..."
-        obs, reward, done, info = env.step(action)   # action: str, or None (malformed answer)
-
-    - `info`: {"task": the task sentence (after "Your task is to: "), "task_type",
-      "admissible": sorted admissible commands without "help", "won", "turn", "error",
-      "gamefile"}. `error` is None unless the engine raised.
-    - `reward` is ALFWORLD_WIN_REWARD (10.0) on the step that wins, else 0.0. `done` when won or
-      when `max_turns` turns were taken.
-    - `action=None` is a no-op: the engine is not stepped, the last observation is returned
-      again, and the turn counts. A well-formed but inadmissible command goes to the engine,
-      which answers "Nothing happens." and changes nothing.
-    - An engine exception (at load, reset or step) never propagates: the episode ends as a
-      failure (done, won=False, reward 0) with the error text in `info["error"]`.
-    - Steps after `done` change nothing and return reward 0.
-    - `memoise` (default on) shares parsed games between slots; see _AlfWorldParseMemo.
-    - `close()` (also called on garbage collection) hands the engine back to a pool.
-    """
-
-    def __init__(self, gamefile, max_turns=50, memoise=True):
-        self.gamefile = str(gamefile)
-        self.task_type = alfworld_task_type(self.gamefile)
-        self.max_turns = int(max_turns)
-        self.memoise = memoise
-        self._engine = None
-        self._loaded = False
-        self.task = ""
-        self.obs = ""
-        self.admissible = []
-        self.won = False
-        self.done = True   # until reset()
-        self.turn = 0
-        self.error = None
-
-    def _info(self):
-        return {"task": self.task, "task_type": self.task_type, "admissible": list(self.admissible),
-                "won": self.won, "turn": self.turn, "error": self.error,
-                "gamefile": self.gamefile}
-
-    def _read_state(self, state):
-        self.obs = state.feedback
-        self.admissible = [c for c in state["admissible_commands"] if c != "help"]
-        self.won = bool(state["won"])
-
-    def _fail(self, exc):
-        self.error = f"{type(exc).__name__}: {exc}"
-        self.won, self.done = False, True
-        if self._engine is not None:  # its state is unknown: do not reuse it
-            engine, self._engine, self._loaded = self._engine, None, False
-            _alfworld_release_engine(engine, reusable=False)
-
-    def reset(self):
-        """Start (or restart) the episode. Returns (obs, info)."""
-        self.turn, self.won, self.done, self.error = 0, False, False, None
-        try:
-            if self._engine is None:
-                self._engine, self._loaded = _alfworld_acquire_engine(), False
-            with _alfworld_engine_calls(self.memoise):
-                if not self._loaded:
-                    self._engine.load(self.gamefile)
-                    self._loaded = True
-                state = self._engine.reset()
-            self._read_state(state)
-        except Exception as exc:  # a broken game file must not stop the training loop
-            self.obs, self.admissible, self.task = "", [], ""
-            self._fail(exc)
-            return self.obs, self._info()
-        marker = "Your task is to: "
-        self.task = self.obs.split(marker, 1)[1].strip() if marker in self.obs else ""
-        return self.obs, self._info()
-
-    def step(self, action):
-        """One turn. Returns (obs, reward, done, info)."""
-        if self.done:
-            return self.obs, 0.0, True, self._info()
-        self.turn += 1
-        if action is not None:
-            try:
-                with _alfworld_engine_calls(self.memoise):
-                    state, _, _ = self._engine.step(str(action))
-                self._read_state(state)
-            except Exception as exc:
-                self._fail(exc)
-                return self.obs, 0.0, True, self._info()
-        if self.won or self.turn >= self.max_turns:
-            self.done = True
-        return self.obs, (ALFWORLD_WIN_REWARD if self.won else 0.0), self.done, self._info()
-
-    def close(self):
-        """Hand the engine back to the pool (the env can be reset again afterwards)."""
-        engine, self._engine, self._loaded = self._engine, None, False
-        if engine is not None:
-            _alfworld_release_engine(engine)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-# -----------------------------------------------------------------------------
-# Stepping many episodes: in this process, or in worker processes (--env-workers N)
-# -----------------------------------------------------------------------------
-# TextWorld is pure Python, so threads would take turns on the GIL: parallel stepping needs
-# processes. Each worker owns the AlfWorldEnv of the episodes pinned to it and answers a batch
-# of calls at a time. The rollout pins a task's G episodes to one worker, so that worker's memo
-# parses the game once.
-
-def _alfworld_worker(conn):
-    """A worker process's loop: [(env_id, (gamefile, max_turns), method, args)] -> [results]."""
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    envs = {}
-    while True:
-        try:
-            batch = conn.recv()
-        except EOFError:  # the main process is gone
-            return
-        if batch is None:
-            return
-        replies = []
-        for env_id, spec, method, args in batch:
-            try:
-                if method == "close":
-                    env = envs.pop(env_id, None)
-                    reply = env.close() if env is not None else None
-                else:
-                    env = envs.get(env_id) or envs.setdefault(env_id, AlfWorldEnv(*spec))
-                    reply = getattr(env, method)(*args)
-            except Exception as exc:  # sent back as a value: the caller decides what it means
-                reply = RuntimeError(f"{type(exc).__name__}: {exc}")
-            replies.append(reply)
-        conn.send(replies)
-
-
-class AlfWorldWorkers:
-    """N worker processes (started with "spawn": safe after CUDA, no forked engine state)."""
-
-    def __init__(self, n: int):
-        context = multiprocessing.get_context("spawn")
-        self.conns, self.processes = [], []
-        for _ in range(n):
-            parent, child = context.Pipe()
-            process = context.Process(target=_alfworld_worker, args=(child,), daemon=True)
-            process.start()
-            child.close()
-            self.conns.append(parent)
-            self.processes.append(process)
-        self.ids = itertools.count()
-        self.broken = None  # why the pipes can no longer be trusted, once they cannot
-        self.close = weakref.finalize(self, AlfWorldWorkers._shut_down, self.conns, self.processes)
-
-    def run(self, calls: list) -> list:
-        """[(worker, env_id, spec, method, args)] -> results in order: one message per worker,
-        sent to all of them before any answer is read, so they work in parallel."""
-        if self.broken:
-            raise RuntimeError(f"ALFWorld workers unusable: {self.broken}")
-        by_worker = defaultdict(list)
-        for k, (worker, *call) in enumerate(calls):
-            by_worker[worker].append((k, tuple(call)))
-        results, worker = [None] * len(calls), None
-        try:
-            for worker, items in by_worker.items():
-                self.conns[worker].send([call for _, call in items])
-            for worker, items in by_worker.items():
-                replies = self.conns[worker].recv()
-                if len(replies) != len(items):
-                    raise EOFError
-                for (k, _), reply in zip(items, replies):
-                    results[k] = reply
-        except (EOFError, OSError):  # a worker died (a crash in the engine's C code, a kill)
-            self.processes[worker].join(timeout=1)
-            self.broken = (f"ALFWorld worker {worker} died (exit code "
-                           f"{self.processes[worker].exitcode}); continue the run with --resume RUN_DIR")
-            raise RuntimeError(self.broken) from None
-        except BaseException:  # e.g. Ctrl-C between a send and its answer: replies are now stale
-            self.broken = "a batch of calls was interrupted"
-            raise
-        return results
-
-    @staticmethod
-    def _shut_down(conns, processes):
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        for conn, process in zip(conns, processes):
-            process.join(timeout=2)
-            if process.is_alive():
-                process.terminate()
-            conn.close()
-
-
-class RemoteAlfWorldEnv:
-    """An AlfWorldEnv that lives in a worker process: the same reset/step/close, one call at a
-    time; env_calls batches the calls of many of them."""
-
-    def __init__(self, workers: AlfWorldWorkers, worker: int, gamefile, max_turns: int):
-        self.workers, self.worker = workers, worker
-        self.env_id, self.spec = next(workers.ids), (str(gamefile), max_turns)
-
-    def call(self, method: str, *args):
-        result = self.workers.run([(self.worker, self.env_id, self.spec, method, args)])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    def reset(self):
-        return self.call("reset")
-
-    def step(self, action):
-        return self.call("step", action)
-
-    def close(self):
-        return self.call("close")
-
-
-def env_calls(calls: list) -> list:
-    """[(env, method, args)] -> their results, in order; an exception is returned in place of its
-    result, not raised. Envs in worker processes run in parallel; the others one by one."""
-    results, remote, local = [None] * len(calls), defaultdict(list), []
-    for k, (env, method, args) in enumerate(calls):
-        if isinstance(env, RemoteAlfWorldEnv):
-            remote[env.workers].append((k, (env.worker, env.env_id, env.spec, method, args)))
-        else:
-            local.append(k)
-    for workers, batch in remote.items():
-        for (k, _), result in zip(batch, workers.run([call for _, call in batch])):
-            results[k] = result
-    for k in local:
-        env, method, args = calls[k]
-        try:
-            results[k] = getattr(env, method)(*args)
-        except Exception as exc:
-            results[k] = exc
-    return results
-
-# -----------------------------------------------------------------------------
-# Evaluation panel and per-task-type success
-# -----------------------------------------------------------------------------
-
-def alfworld_eval_panel(data_root=None, splits=("valid_seen", "valid_unseen"), max_episodes=None):
-    """The fixed evaluation panel: the games of `splits`, sorted by path (so valid_seen before
-    valid_unseen). A missing split is skipped with a warning if another split has games; if none
-    has, AlfWorldDataError.
-
-    Capped (`max_episodes`), it takes the games round-robin over the task types (each type's
-    games in sorted order), so that a small panel still covers every type; the first N in
-    sorted order would all be `look_at_obj_in_light`. The chosen games are returned sorted.
-    """
-    games, problems = [], []
-    for split in splits:
-        try:
-            games += discover_alfworld_games(data_root, split)
-        except AlfWorldDataError as exc:
-            problems.append(str(exc))
-    if not games:
-        raise AlfWorldDataError("no ALFWorld evaluation games: " + " | ".join(problems))
-    for problem in problems:
-        warnings.warn(f"skipping an ALFWorld evaluation split: {problem}")
-    games = sorted(games)
-    if max_episodes is None or max_episodes >= len(games):
-        return games
-    by_type = defaultdict(list)
-    for game in games:
-        by_type[alfworld_task_type(game)].append(game)
-    queues = [by_type[t] for t in sorted(by_type)]
-    chosen = []
-    for rank in range(max(len(q) for q in queues)):
-        chosen += [q[rank] for q in queues if rank < len(q)]
-    return sorted(chosen[:max_episodes])
-
-
-def success_by_task_type(records):
-    """Success rates from `(task_type, won)` pairs:
-    {task_type: wins/episodes for each type seen, "overall": wins/episodes, "n": episodes}.
-    With no records, overall is 0.0 and n is 0."""
-    wins, counts = defaultdict(int), defaultdict(int)
-    for task_type, won in records:
-        counts[task_type] += 1
-        wins[task_type] += int(bool(won))
-    out = {t: wins[t] / counts[t] for t in sorted(counts)}
-    n = sum(counts.values())
-    out["overall"] = sum(wins.values()) / n if n else 0.0
-    out["n"] = n
-    return out
-
-
-# -----------------------------------------------------------------------------
-# Fixture games written by the project (tests, demo, `--model tiny`)
-# -----------------------------------------------------------------------------
-# Tiny one-room games in ALFWorld's own format, played by the same engine: our PDDL problems,
-# alfworld's domain (alfred.pddl) and grammar (alfred.twl2) from the installed wheel.
-# Each row: (split, task_type, object, where the object lies, target receptacle).
-# The task's helper receptacle: clean -> SinkBasin, heat -> Microwave, cool -> Fridge,
-# look -> a SideTable with a DeskLamp (the target), two -> a Drawer holding the second object.
-
-ALFWORLD_FIXTURE_GAMES = (
-    ("train", "pick_and_place_simple", "Mug", "CounterTop", "SideTable"),
-    ("train", "look_at_obj_in_light", "CD", "Shelf", "DeskLamp"),
-    ("train", "pick_clean_then_place_in_recep", "Cloth", "CounterTop", "Cabinet"),
-    ("train", "pick_heat_then_place_in_recep", "Egg", "Fridge", "DiningTable"),
-    ("train", "pick_cool_then_place_in_recep", "Apple", "Cabinet", "CounterTop"),
-    ("train", "pick_two_obj_and_place", "Pencil", "Shelf", "Desk"),
-    ("valid_seen", "pick_and_place_simple", "Book", "Shelf", "Desk"),
-    ("valid_seen", "pick_clean_then_place_in_recep", "Plate", "DiningTable", "Cabinet"),
-    ("valid_seen", "pick_cool_then_place_in_recep", "Tomato", "CounterTop", "DiningTable"),
-)
-_ALFWORLD_OPENABLE = {"Cabinet", "Drawer", "Fridge", "Microwave"}
-_ALFWORLD_HELPER = {  # task type -> (helper receptacle, verb, ability fact, goal fact)
-    "pick_clean_then_place_in_recep": ("SinkBasin", "clean", "cleanable", "isClean"),
-    "pick_heat_then_place_in_recep": ("Microwave", "heat", "heatable", "isHot"),
-    "pick_cool_then_place_in_recep": ("Fridge", "cool", "coolable", "isCool")}
-_ALFWORLD_SENTENCE = {"pick_and_place_simple": "put a {o} in {r}",
-                      "look_at_obj_in_light": "look at {o} under the {r}",
-                      "pick_clean_then_place_in_recep": "put a clean {o} in {r}",
-                      "pick_heat_then_place_in_recep": "put a hot {o} in {r}",
-                      "pick_cool_then_place_in_recep": "put a cool {o} in {r}",
-                      "pick_two_obj_and_place": "put two {o} in {r}"}
-# types the domain names as constants (they must be declared objects of every problem)
-_ALFWORLD_CONST_TYPES = ("SinkBasinType - rtype", "MicrowaveType - rtype", "FridgeType - rtype",
-                         "KnifeType - otype", "ButterKnifeType - otype", "DeskLampType - otype")
-
-
-def _alfworld_receptacle_id(name):
-    # ALFRED ids are "<Name>|x|y|z"; the demangler turns "Sink|..|SinkBasin" into "sinkbasin N"
-    return "Sink_bar_1_bar_SinkBasin" if name == "SinkBasin" else f"{name}_bar_1"
-
-
-def alfworld_fixture_problem(task_type, obj, source, target):
-    """PDDL problem, task sentence and winning action list of one fixture game."""
-    o, src, tgt = obj.lower(), source.lower(), target.lower()
-    helper = _ALFWORLD_HELPER.get(task_type)
-    recs = [source, target]
-    if helper:
-        recs.insert(1, helper[0])
-    if task_type == "look_at_obj_in_light":
-        recs[1] = "SideTable"              # the lamp is an object standing on a side table
-    if task_type == "pick_two_obj_and_place":
-        recs.insert(1, "Drawer")
-    # objects: (id, type, receptacle); the demangler numbers same-name ids in reverse sort
-    # order, so Pencil_bar_2 becomes "pencil 1" and Pencil_bar_1 "pencil 2".
-    objs = [(f"{obj}_bar_2" if task_type == "pick_two_obj_and_place" else f"{obj}_bar_1",
-             obj, source)]
-    if task_type == "pick_two_obj_and_place":
-        objs.append((f"{obj}_bar_1", obj, "Drawer"))
-    if task_type == "look_at_obj_in_light":
-        objs.append(("DeskLamp_bar_1", "DeskLamp", "SideTable"))
-    loc = {r: f"loc_bar_{i + 1}_bar_0_bar_0_bar_0" for i, r in enumerate(recs)}
-    decl = ["agent1 - agent", "loc_bar_0_bar_0_bar_0_bar_0 - location"]
-    decl += [f"{loc[r]} - location" for r in recs]
-    decl += [f"{_alfworld_receptacle_id(r)} - receptacle" for r in recs]
-    decl += [f"{i} - object" for i, _, _ in objs]
-    decl += sorted({f"{r}Type - rtype" for r in recs} | {f"{t}Type - otype" for _, t, _ in objs}
-                   | set(_ALFWORLD_CONST_TYPES))
-    init = ["(atLocation agent1 loc_bar_0_bar_0_bar_0_bar_0)"]
-    for r in recs:
-        rid = _alfworld_receptacle_id(r)
-        init += [f"(receptacleType {rid} {r}Type)", f"(receptacleAtLocation {rid} {loc[r]})"]
-        init += [f"(openable {rid})"] if r in _ALFWORLD_OPENABLE else []
-        init += [f"(canContain {r}Type {obj}Type)"]
-    for i, t, r in objs:
-        init += [f"(objectType {i} {t}Type)", f"(inReceptacle {i} {_alfworld_receptacle_id(r)})",
-                 f"(objectAtLocation {i} {loc[r]})"]
-        init += ["(toggleable DeskLamp_bar_1)"] if t == "DeskLamp" else [f"(pickupable {i})"]
-        init += [f"({helper[2]} {i})"] if helper else []
-    typed = f"(objectType ?o {obj}Type) (receptacleType ?r {target}Type)"
-    if task_type == "look_at_obj_in_light":
-        goal = ("(and (exists (?ot - object ?r - receptacle ?a - agent ?l - location) (and "
-                "(objectType ?ot DeskLampType) (toggleable ?ot) (isToggled ?ot) "
-                "(receptacleAtLocation ?r ?l) (atLocation ?a ?l) (inReceptacle ?ot ?r))) "
-                f"(exists (?o - object ?a - agent) (and (objectType ?o {obj}Type) (holds ?a ?o))))")
-    elif task_type == "pick_two_obj_and_place":
-        goal = ("(exists (?r - receptacle ?o - object ?o2 - object) (and (not (= ?o ?o2)) "
-                f"{typed} (objectType ?o2 {obj}Type) (inReceptacle ?o ?r) (inReceptacle ?o2 ?r)))")
-    else:
-        extra = f" ({helper[2]} ?o) ({helper[3]} ?o)" if helper else ""
-        goal = f"(exists (?r - receptacle ?o - object) (and (inReceptacle ?o ?r) {typed}{extra}))"
-    problem = "(define (problem fixture)\n(:domain alfred)\n(:objects\n  {}\n)\n(:init\n  {}\n)\n" \
-              "(:goal {})\n)\n".format("\n  ".join(decl), "\n  ".join(init), goal)
-
-    def go(r, opened=()):
-        openable = r in {x.lower() for x in _ALFWORLD_OPENABLE} and r not in opened
-        return [f"go to {r} 1"] + ([f"open {r} 1"] if openable else [])
-
-    actions = go(src) + [f"take {o} 1 from {src} 1"]
-    if helper:
-        actions += go(helper[0].lower(), opened=(helper[0].lower(),)) + \
-            [f"{helper[1]} {o} 1 with {helper[0].lower()} 1"]
-    if task_type == "look_at_obj_in_light":
-        actions += ["go to sidetable 1", "use desklamp 1"]
-    else:
-        actions += go(tgt, opened=(src,)) + [f"move {o} 1 to {tgt} 1"]
-    if task_type == "pick_two_obj_and_place":
-        actions += go("drawer") + [f"take {o} 2 from drawer 1"]
-        actions += go(tgt) + [f"move {o} 2 to {tgt} 1"]
-    sentence = _ALFWORLD_SENTENCE[task_type].format(o=o, r=tgt)
-    return problem, sentence, actions
-
-
-def _alfworld_wheel_data():
-    """alfworld's domain (alfred.pddl) and grammar (alfred.twl2), read from the installed wheel
-    without importing alfworld (whose import creates ~/.cache/alfworld)."""
-    import importlib.util
-    spec = importlib.util.find_spec("alfworld")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the ALFWorld fixture games need the alfworld package: "
-                          "pip install alfworld==0.4.2")
-    data = Path(list(spec.submodule_search_locations)[0]) / "data"
-    return (data / "alfred.pddl").read_text(), (data / "alfred.twl2").read_text()
-
-
-def write_fixture_alfworld_games(out_root):
-    """Write ALFWORLD_FIXTURE_GAMES as an $ALFWORLD_DATA-style tree under `out_root`:
-    json_2.1.1/<split>/<task_type>-<Obj>-None-<Recep>-<n>/trial_fixture/{game.tw-pddl,
-    traj_data.json}. The winning action list is the game's "walkthrough". Returns out_root."""
-    domain, grammar = _alfworld_wheel_data()
-    out_root = Path(out_root)
-    for n, (split, task_type, obj, source, target) in enumerate(ALFWORLD_FIXTURE_GAMES):
-        problem, sentence, actions = alfworld_fixture_problem(task_type, obj, source, target)
-        trial = (out_root / "json_2.1.1" / split / f"{task_type}-{obj}-None-{target}-{900 + n}"
-                 / "trial_fixture")
-        trial.mkdir(parents=True, exist_ok=True)
-        game = {"pddl_domain": domain, "grammar": grammar.replace("UNKNOWN GOAL", sentence),
-                "pddl_problem": problem, "solvable": True, "walkthrough": actions}
-        (trial / "game.tw-pddl").write_text(json.dumps(game))
-        annotation = sentence[0].upper() + sentence[1:] + "."
-        traj = {"task_type": task_type,
-                "pddl_params": {"object_target": obj, "parent_target": target,
-                                "toggle_target": target if target == "DeskLamp" else "",
-                                "mrecep_target": "", "object_sliced": False},
-                "turk_annotations": {"anns": [{"task_desc": annotation}]}}
-        (trial / "traj_data.json").write_text(json.dumps(traj))
-    return out_root
-
-
-class WebShopEpisode:
+class WebShopAdapter:
     """One WebShop episode on a shared catalogue (webshop_env.py), in the interface above.
 
     The prompt shows webshop_env's compact observation (the page after the instruction, each
-    segment quoted) and its admissible actions. Won = the purchase scored exactly 1.0.
+    segment quoted) and its admissible actions. Won = the purchase scored exactly 1.0; the
+    reward slot is that score.
     """
 
-    def __init__(self, shop, goal_index: int, success_reward: float):
+    def __init__(self, shop, goal_index: int):
         import webshop_env
         self.env = webshop_env.WebShopEnv(shop)
         self.goal_index = goal_index
-        self.success_reward = success_reward
 
     def _info(self, info: dict, won: bool = False) -> dict:
         return {"task": self.instruction, "task_type": self.category, "admissible": info["admissible"],
@@ -1053,25 +917,25 @@ class WebShopEpisode:
         return info["compact_obs"], self._info(info)
 
     def step(self, action: str):
-        _, _, done, info = self.env.step(action)
-        won = bool(info.get("won", False))
-        return info["compact_obs"], (self.success_reward if won else 0.0), done, self._info(info, won)
+        _, score, done, info = self.env.step(action)
+        return info["compact_obs"], score, done, self._info(info, bool(info.get("won", False)))
 
 
-# ----- The kitchen: the offline demo's environment --------------------------------------------------
-# A task is `dish index * 1000 + variant`; the variant only shuffles the order of the admissible
-# actions, so that their position says nothing. Training variants 0-99, panels 500 onwards.
-class KitchenEpisode:
+def kitchen_dish(task: int, recipes: Optional[dict] = None) -> str:
+    """A kitchen task is `dish index * 1000 + variant`; the variant only shuffles the order of the
+    admissible actions, so that their position says nothing. Training variants 0-99, panels 500 on."""
+    return sorted(recipes or KITCHEN_RECIPES)[task // 1000]
+
+
+class KitchenEnv:
     """One dish in the kitchen, in the interface above: two decisions, an ingredient ("honey the
-    brask") and a way to cook it ("fry the brask"). The right one moves on,
-    a wrong admissible one ruins the dish (the episode ends, lost), an inadmissible command
-    changes nothing. Won: both right, reward `success_reward`. The commands name the dish just
-    before the choice, as ALFWorld's commands name their objects."""
+    brask") and a way to cook it ("fry the brask"). The right one moves on, a wrong admissible one
+    ruins the dish (the episode ends, lost), an inadmissible command changes nothing. Won: both
+    right (reward 1). The commands name the dish just before the choice, as ALFWorld's name objects."""
 
-    def __init__(self, task: int, success_reward: float, recipes: Optional[dict] = None):
+    def __init__(self, task: int, recipes: Optional[dict] = None):
         self.recipes = recipes or KITCHEN_RECIPES
-        self.task, self.dish = task, sorted(self.recipes)[task // 1000]
-        self.success_reward = success_reward
+        self.task, self.dish = task, kitchen_dish(task, self.recipes)
 
     def _info(self, won: bool = False) -> dict:
         return {"task": f"cook a {self.dish}", "task_type": self.dish, "admissible": list(self.admissible),
@@ -1100,7 +964,7 @@ class KitchenEpisode:
             self._offer([f"{m} the {self.dish}" for m in KITCHEN_METHODS])
             return f"The {self.dish} is seasoned with {ingredient}.", 0.0, False, self._info()
         self.done, self.admissible = True, []
-        return f"The {self.dish} is ready!", self.success_reward, True, self._info(won=True)
+        return f"The {self.dish} is ready!", 1.0, True, self._info(won=True)
 
 
 class TaskSuite:
@@ -1117,16 +981,16 @@ class TaskSuite:
         self.cfg, self.workers = cfg, None
         cap = cfg.eval_episodes
         if cfg.env == "alfworld":
-            root = alfworld_data_root(cfg.alfworld_data)
+            root = alfworld_env.alfworld_data_root(cfg.alfworld_data)
             splits = ("valid_seen", "valid_unseen")
             if cfg.alfworld_data == "fixtures":  # our own tiny games, written into the run folder
-                root = write_fixture_alfworld_games(Path(cfg.run_dir) / "alfworld_fixtures")
+                root = alfworld_env.write_fixture_alfworld_games(Path(cfg.run_dir) / "alfworld_fixtures")
                 splits = ("valid_seen",)  # the fixtures have no valid_unseen split
-            self.train = discover_alfworld_games(root, "train")
-            self.validation_panel = alfworld_eval_panel(root, ("valid_seen",), max_episodes=cap)
-            self.report_panel = alfworld_eval_panel(root, splits, max_episodes=cap)
+            self.train = alfworld_env.discover_alfworld_games(root, "train")
+            self.validation_panel = alfworld_env.alfworld_eval_panel(root, ("valid_seen",), max_episodes=cap)
+            self.report_panel = alfworld_env.alfworld_eval_panel(root, splits, max_episodes=cap)
             if cfg.env_workers > 0:
-                self.workers = AlfWorldWorkers(cfg.env_workers)
+                self.workers = alfworld_env.AlfWorldWorkers(cfg.env_workers)
         elif cfg.env == "kitchen":
             dishes = range(len(KITCHEN_RECIPES))
             self.train = [d * 1000 + v for d in dishes for v in range(100)]
@@ -1142,9 +1006,9 @@ class TaskSuite:
 
     def task_type(self, task) -> str:
         if self.cfg.env == "alfworld":
-            return alfworld_task_type(task)
+            return alfworld_env.alfworld_task_type(task)
         if self.cfg.env == "kitchen":
-            return sorted(KITCHEN_RECIPES)[task // 1000]
+            return kitchen_dish(task)
         import webshop_env  # WebShop's raw categories (grocery, garden, ...) -> our skill blocks
         category = self.shop.goals[task]["category"]
         return webshop_env.SKILL_CATEGORY.get(category, category)
@@ -1153,25 +1017,165 @@ class TaskSuite:
         """A fresh episode of `task`. With --env-workers, `slot` (the rollout passes the task's
         group) picks the worker process that will own it."""
         if self.cfg.env == "webshop":
-            return WebShopEpisode(self.shop, task, self.cfg.success_reward)
+            return WebShopAdapter(self.shop, task)
         if self.cfg.env == "kitchen":
-            return KitchenEpisode(task, self.cfg.success_reward)
+            return KitchenEnv(task)
         if self.workers is not None:
             worker = slot % len(self.workers.processes)
-            return RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
-        return AlfWorldEnv(task, max_turns=self.cfg.max_turns)
+            return alfworld_env.RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
+        return alfworld_env.AlfWorldEnv(task, max_turns=self.cfg.max_turns)
 
     def close(self):
         if self.workers is not None:
             self.workers.close()
 
+
+def success_by_task_type(records):
+    """Success rates from `(task_type, won)` pairs:
+    {task_type: wins/episodes for each type seen, "overall": wins/episodes, "n": episodes}.
+    With no records, overall is 0.0 and n is 0."""
+    wins, counts = defaultdict(int), defaultdict(int)
+    for task_type, won in records:
+        counts[task_type] += 1
+        wins[task_type] += int(bool(won))
+    out = {t: wins[t] / counts[t] for t in sorted(counts)}
+    n = sum(counts.values())
+    out["overall"] = sum(wins.values()) / n if n else 0.0
+    out["n"] = n
+    return out
+
+
+# ----- Episode bookkeeping for the rollout loop (section 4) -----------------------------------------
+
+
+@dataclass
+class EpisodeState:
+    """What the rollout loop tracks of one episode: its environment, what the prompt shows, its turns."""
+    env: Any
+    group: int
+    index: int = 0  # i: its place among the iteration's episodes
+    task: str = ""
+    task_type: str = ""
+    observation: str = ""
+    admissible: list = field(default_factory=list)
+    history: list = field(default_factory=list)  # (observation, action) pairs
+    samples: list = field(default_factory=list)  # its TurnSamples, one per turn
+    turns: int = 0
+    won: bool = False
+    done: bool = False
+    error: Optional[str] = None
+
+
+def start_episodes(episodes: list) -> None:
+    """Reset every episode's environment (in parallel with --env-workers). A task whose reset fails
+    ends as a failure; the run goes on."""
+    for episode, result in zip(episodes, alfworld_env.env_calls([(e.env, "reset", ()) for e in episodes])):
+        if isinstance(result, Exception):
+            episode.done, episode.error = True, f"reset: {result!r}"
+            continue
+        episode.observation, info = result
+        episode.task, episode.task_type, episode.admissible = info["task"], info["task_type"], info["admissible"]
+
+
+def step_episodes(actions: list, active: list, max_turns: int) -> None:
+    """Step each (episode, action); then every active episode at max_turns is done."""
+    results = alfworld_env.env_calls([(episode.env, "step", (action,)) for episode, action in actions])
+    for (episode, action), result in zip(actions, results):
+        if isinstance(result, Exception):
+            episode.done, episode.error = True, f"step: {result!r}"
+            continue
+        observation, _, env_done, info = result
+        episode.history.append((episode.observation, action))
+        episode.observation, episode.admissible = observation, info["admissible"]
+        episode.won, episode.done = bool(info["won"]), bool(env_done or info["won"])
+        if info.get("error"):
+            episode.error = info["error"]
+    for episode in active:
+        if episode.turns >= max_turns:
+            episode.done = True
+
+
+def close_episodes(episodes: list) -> None:
+    """Hand engines back (to this process's pool, or the worker's)."""
+    alfworld_env.env_calls([(e.env, "close", ()) for e in episodes if hasattr(e.env, "close")])
+
+
+class RolloutMeter:
+    """A rollout's timers and counts for metrics.jsonl, and its progress bar over turns (shown only
+    in a terminal, not in log files)."""
+
+    def __init__(self, max_turns: int, desc: str):
+        self.timers = {"t_generate": 0.0, "t_env": 0.0}
+        self.generated_tokens = self.generate_steps = self.prompts_truncated = 0
+        self.bar = tqdm(total=max_turns, desc=desc, leave=False, dynamic_ncols=True, disable=not sys.stderr.isatty())
+
+    @contextlib.contextmanager
+    def _timer(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timers[name] += time.perf_counter() - start
+
+    def env(self):
+        return self._timer("t_env")
+
+    def generate(self):
+        return self._timer("t_generate")
+
+    def turn_done(self, responses: list, active: list, episodes: list) -> None:
+        self.generated_tokens += sum(len(r.ids) for r in responses)
+        self.generate_steps += max(len(r.ids) for r in responses)  # the batch decodes to its longest answer
+        self.bar.update(1)
+        self.bar.set_postfix(active=len(active), won=sum(e.won for e in episodes))
+
+    def stats(self, episodes: list, samples: list, cfg: Config) -> dict:
+        self.bar.close()
+        n = max(len(episodes), 1)
+        return {"success": sum(e.won for e in episodes) / n,
+                "reward": sum(cfg.success_reward * e.won for e in episodes) / n,
+                "turns": sum(e.turns for e in episodes) / n,
+                "malformed_frac": sum(s.malformed for s in samples) / max(len(samples), 1),
+                "env_errors": sum(e.error is not None for e in episodes),
+                "prompts_truncated": self.prompts_truncated, "gen_tokens": self.generated_tokens,
+                "gen_steps": self.generate_steps, "samples": len(samples), **self.timers,
+                "gen_tokens_per_s": self.generated_tokens / max(self.timers["t_generate"], 1e-9),
+                "gen_ms_per_step": 1000 * self.timers["t_generate"] / max(self.generate_steps, 1)}
+
+
+def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skills: bool, desc: str) -> dict:
+    """Success on a fixed panel (`tasks`) at the evaluation temperature, per task type and overall.
+
+    The panels never change between runs (sorted games / the fixed validation goals); episodes
+    are played in lock-step batches of B*G with a fixed sampling seed (recorded), drawn from a
+    forked RNG so that evaluating does not change the training run's random stream.
+    """
+    device = next(model.parameters()).device
+    chunk = cfg.batch_tasks * cfg.group_size
+    records = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed + 12345)
+        for start in range(0, len(tasks), chunk):
+            batch = tasks[start:start + chunk]
+            _, episodes, _ = rollout(model, tokenizer, suite, batch, cfg, group_size=1,
+                                     skills_in_prompt=skills, with_teacher_prompts=False,
+                                     temperature=cfg.eval_temperature, desc=desc)
+            records += [(e.task_type or suite.task_type(task), e.won) for e, task in zip(episodes, batch)]
+    return {**success_by_task_type(records), "skills": skills, "seed": cfg.seed + 12345,
+            "temperature": cfg.eval_temperature}
+
+
 # ==================================================================================================
-# 4. Models
+# 8. Models: Qwen2.5 checkpoints, random: shapes, the offline tiny model and its warm start
 # ==================================================================================================
-# Real checkpoints come from the hub or a local folder. `random:<alias>` builds the real
-# architecture with random weights (sizes memory and speed before any download). `tiny` is a
-# 0.17M-parameter Qwen2 model (2 layers, a 1,024-token byte-level BPE vocabulary trained in code):
-# offline on a CPU it runs every code path, and after its warm start it learns the kitchen demo.
+
+
+MODEL_ALIASES = {
+    "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
+    "Qwen2.5-3B": "Qwen/Qwen2.5-3B-Instruct",
+    "Qwen2.5-7B": "Qwen/Qwen2.5-7B-Instruct",
+}
+
 
 # Architectures of the Qwen2.5-Instruct checkpoints (their config.json), for `random:` shapes.
 QWEN25_SHAPES = {
@@ -1185,21 +1189,26 @@ QWEN25_SHAPES = {
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        tie_word_embeddings=False),
 }
+
+
 # a small shape with the real 151,936-token vocabulary: the log-prob memory problem at CPU size
 QWEN25_SHAPES["small-vocab151k"] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          vocab_size=151936, tie_word_embeddings=True)
+
+
 # two layers of 16 small heads: reading a skill block (finding the one capitalised ingredient among
 # ~130 tokens) was learned within the warm start by this shape, not by 4 layers of 4 heads (measured)
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=16,
                   num_key_value_heads=16, tie_word_embeddings=True)
+
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-# ----- The tiny model's warm start: what a pretrained LLM already brings, and nothing more --------
 # A randomly initialised model cannot write `<think>...</think><action>...</action>` nor read a
 # skill block, and RL cannot find either from scratch in CPU minutes. --warm-start N teaches, by
 # behaviour cloning on kitchen prompts, what a pretrained LLM brings to the kitchen: the answer
@@ -1212,11 +1221,19 @@ CHATML_TEMPLATE = (
 # RL (the teacher's reading of the second step in phase 1) and by RL and OPD (the student).
 WARM_START_DISHES = ("brindle", "clomp", "drubble", "fennick", "gorse", "hoplin", "jibber", "krell",
                      "lummox", "nubbin", "pordle", "quorn")
+
+
 _known = random.Random(12345)  # the recipes the warm-started model "knows": other dishes than the demo's
+
+
 WARM_START_UNKNOWN = ("arbel", "bosk", "cwill", "dimp", "eskar", "flon", "gwint", "harl", "irple",
                       "jusk", "kemp", "loam")
+
+
 WARM_START_RECIPES = {dish: (_known.choice(KITCHEN_INGREDIENTS), _known.choice(KITCHEN_METHODS))
                       for dish in WARM_START_DISHES}
+
+
 WARM_START_ANSWER = "<think>the next step</think><action>{}</action>"
 
 
@@ -1239,7 +1256,7 @@ def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
         dish = rng.choice(WARM_START_DISHES + tuple(KITCHEN_RECIPES))
         ingredient, method = rng.choice(KITCHEN_INGREDIENTS), rng.choice(KITCHEN_METHODS)
     recipes = {dish: (ingredient, method)}
-    episode = KitchenEpisode(rng.randrange(1000), 0.0, recipes)  # dish index 0: the invented dish
+    episode = KitchenEnv(rng.randrange(1000), recipes)  # dish index 0: the invented dish
     observation, info = episode.reset()
     history, right = [], f"{ingredient} the {dish}"
     if kind not in ("short", "skills") and rng.random() < 0.5:  # the second step (reading: first only)
@@ -1272,13 +1289,29 @@ def warm_start(model, tokenizer, steps: int, seed: int, batch: int = 32, lr: flo
             prompts = [encode_prompt(tokenizer, message) for message, _ in examples]
             answers = [tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
                        for _, answer in examples]
-            loss = -response_logprobs(model, prompts, answers, cfg).mean()
+            loss = -sequence_logprobs(model, prompts, answers, cfg).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             losses.append(float(loss.detach()))
     return {"steps": steps, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+
+
+def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
+    """The offline demo's base model, RUN_DIR/tiny_base: the tiny model after `steps` warm-start
+    steps, built once per run folder (a resume, or a folder that already has it, reuses it). Seed 0
+    whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
+    folder = run.dir / "tiny_base"
+    if not (folder / "retireopd.json").is_file():
+        model, tok = load_policy("tiny", device, torch.float32, seed=0)
+        one_thread_if_small(model, device)
+        report = warm_start(model, tok, steps, seed=0)
+        print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
+              f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
+              f"{report['last_loss']:.3f}")
+        run.save_model(model, tok, "tiny_base", {"warm_start": report})
+    return str(folder)
 
 
 def build_tiny_tokenizer(vocab_size: int = 1024):
@@ -1325,6 +1358,8 @@ def resolve_model_name(name: str) -> str:
 
 
 HUB_TIMEOUT_S = 5  # the one question asked of the hub before loading: answered or given up quickly, no retries
+
+
 OFFLINE_MODELS = "tiny or random:<alias> (no download needed)"
 
 
@@ -1441,358 +1476,103 @@ def eos_token_ids(model) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
-def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
-                       device: Optional[torch.device] = None) -> dict:
-    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB).
+SMALL_MODEL_PARAMS = 20_000_000
 
-    Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
-    moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
-    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of three
-    stages that never overlap (each frees its tensors before the next begins):
-      rollout: the KV cache of the lock-step batch at full length (keys fp32 under autocast,
-        values bf16; plus one layer, the copy each decode step's concatenation makes); the
-        prefill's temporaries, for prefill_batch rows (all B*G when 0) of the widest prompt:
-        one layer's working set per token (fp32 residual stream, its norm and the attention
-        output, 12 B per hidden unit; three bf16 MLP tensors, 6 B per intermediate unit) and
-        the boolean attention mask (width^2 B per row); sampling: three fp32 (B*G, vocab)
-        tensors per decode step (generate's logits and softmax, our log-softmax).
-      forward/backward: with gradient checkpointing one fp32 hidden state per layer per token
-        of a micro-batch plus one layer's working set; log-probs: one chunk of
-        vocabulary-sized fp32 logits and their softmax.
-      optimizer step: AdamW's temporaries: none when fused (CUDA), about one fp32 copy of the
-        parameters for the multi-tensor path (not used), two of the largest parameter's size for
-        the CPU loop.
-    device: where the run trains (default: the model's), which decides the AdamW path.
-    """
-    device = device or next(model.parameters()).device
-    params = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
-    shape = model.config
-    hidden, intermediate, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
-    frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
-    per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
-    activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
-    sequences = cfg.batch_tasks * cfg.group_size
-    head_dim = hidden // shape.num_attention_heads
-    prompt_width = cfg.max_prompt_tokens + skill_tokens
-    kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
-                * shape.num_key_value_heads * head_dim * (4 + 2))
-    prefill_rows = min(cfg.prefill_batch or sequences, sequences)
-    prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
-    if device.type == "cuda":  # build_adamw: fused on CUDA
-        optimizer_temporaries = 0
-    else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
-        optimizer_temporaries = 2 * 4 * max(p.numel() for p in params)
-    parts = dict(policy_and_adam=18 * n_params, frozen_models=frozen_bytes * n_params * n_frozen,
-                 kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
-                 activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12,
-                 optimizer_temporaries=optimizer_temporaries)
-    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
-    stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
-              "forward_backward": gib["activations"] + gib["logits"],
-              "optimizer_step": gib["optimizer_temporaries"]}
-    gib["peak_stage"] = max(stages, key=stages.get)
-    gib["total"] = round(gib["policy_and_adam"] + gib["frozen_models"] + stages[gib["peak_stage"]], 2)
-    gib["params_millions"] = round(n_params / 1e6, 2)
-    return gib
+
+def one_thread_if_small(model, device: torch.device) -> None:
+    """On a CPU, a model below SMALL_MODEL_PARAMS runs on one torch thread: its matrices are too
+    small to gain from threads, and on a busy 2-core machine two threads were measured 4-20x
+    slower for the tiny model (spinning threads of competing processes). Bigger models keep
+    torch's default (set OMP_NUM_THREADS to choose)."""
+    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 # ==================================================================================================
-# 5. The math: one small pure function per equation
+# 9. Model calls: sampling, scoring, and what keeps them fast and small (bf16, prefill, AdamW)
 # ==================================================================================================
-# Notation: episode i of group g (all G episodes of a group play the same task), turn
-# t, response token k. r_{i,t} = R_i - 0.1 [turn t malformed] is the turn's score; l^old, l^T,
-# l^theta are the log-probs of a sampled token under the rollout policy, the teacher (on the
-# skill-augmented prompt s_t^T) and the policy being updated.
+# The model calls of the rollout (generate) and of the update (sequence_logprobs), and what keeps
+# them fast and small on one GPU.
 
 
-def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantage of every turn-sample, normalised within its group.      (paper: RL backbone)
+class Sampled(NamedTuple):
+    ids: list  # the response's token ids, ending in EOS unless cut
+    hit_cap: bool  # cut at max_new_tokens without EOS
+    logp: Optional[torch.Tensor] = None  # (len(ids),) fp32, CPU: log-prob of each token at sampling time
 
-        A_{i,t} = (r_{i,t} - mean_g) / (std_g + eps)
 
-    scores: (N,) one score per turn-sample; group_ids: (N,) integer group of each sample.
-    Returns (N,) float32. Mean and unbiased std are over *all turn-samples of the group* (the
-    verl-agent convention: each turn is one sample). A group whose scores are all equal, or
-    that holds one sample, carries no signal and gets exactly 0 (never NaN).
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float,
+             prefill_batch: int = 0) -> list:
+    """Sample one response per prompt in one batched call. Returns [Sampled] in prompt order.
+
+    The sampling settings are passed in full (temperature, top_k=0, top_p=1, no repetition
+    penalty) and the logits are fp32 (fp32_output_head): the log-probs we train on are those of
+    the distribution we sampled from. SampledTokenLogprobs keeps each token's log-prob as the
+    sampler saw it, to compare with the scoring pass; prefill_cache prefills prefill_batch prompts
+    per forward (0: all in one).
     """
-    scores = scores.double()
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1 if group.numel() else 0
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(scores))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, scores) / count
-    sq_dev = (scores - mean[group]) ** 2
-    var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, sq_dev) / (count - 1).clamp(min=1)
-    low = torch.full((n_groups,), math.inf, dtype=torch.float64).scatter_reduce(0, group, scores, "amin")
-    high = torch.full((n_groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, group, scores, "amax")
-    no_signal = (count < 2) | (low == high)
-    advantages = (scores - mean[group]) / (var.sqrt()[group] + eps)
-    return torch.where(no_signal[group], torch.zeros_like(advantages), advantages).float()
+    pad = tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    eos = eos_token_ids(model)
+    sampling = transformers.GenerationConfig(
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    recorder = SampledTokenLogprobs()
+    with autocast(device), fp32_output_head(model):
+        split = 0 < prefill_batch < len(prompts) and width > 1
+        cache = prefill_cache(model, input_ids, attention_mask, prefill_batch) if split else None
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=sampling,
+                             logits_processor=transformers.LogitsProcessorList([recorder]), cache=cache)
+    new_tokens = out[:, width:]
+    logps = recorder.finish(new_tokens).float().cpu()
+    responses = []
+    for row, logp in zip(new_tokens.tolist(), logps):
+        end = next((k for k, tok in enumerate(row) if tok in eos), None)
+        n, cut = (end + 1, False) if end is not None else (len(row), True)
+        responses.append(Sampled(row[:n], cut, logp[:n]))
+    return responses
 
 
-def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.Module,
-                   chunk: int = 1024, with_entropy: bool = False):
-    """log pi(token) at response positions only, in chunks of rows.         (paper: every l above)
+def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_entropy: bool = False):
+    """Log-probs (and entropies) of each response's tokens given its prompt, one forward pass.
 
-        l_k = z_k[y_k] - logsumexp(z_k),   z_k = lm_head(h_k)
-        H_k = logsumexp(z_k) - sum_v softmax(z_k)_v z_{k,v}        (entropy, if asked)
-
-    hidden: (N, H) final hidden states at the N positions that *predict* response tokens;
-    tokens: (N,) the sampled ids. Returns (N,) float32 log-probs (and (N,) entropies).
-    With a 151,936-token vocabulary the full (batch, seq, vocab) float32 log-softmax would take
-    gigabytes; here at most `chunk` rows of logits exist at once. When gradients are on, each
-    chunk is checkpointed so its logits are recomputed in backward instead of kept. For logits
-    you already have, pass lm_head=torch.nn.Identity() and the logits as `hidden`.
+    prompts, responses: lists of token-id lists. The *same* response ids are scored under
+    whichever prompt is given: the student's s_t or the teacher's s_t^T, never re-tokenised text.
+    Sequences are right padded (positions 0..L-1 as in generation; padding after the end cannot
+    affect earlier tokens under causal attention), and only the hidden states that predict
+    response tokens go through lm_head. Returns flat tensors over all response tokens, in input
+    order. Gradients flow iff enabled by the caller.
     """
-    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
-
-    def one_chunk(h, y):
-        with torch.autocast(h.device.type, enabled=False):  # fp32 logits even under bf16 autocast
-            if weight is not None and weight.dtype != torch.float32:  # a bf16 frozen model: its
-                logits = torch.nn.functional.linear(h.float(), weight.float(),  # weights, fp32 sums
-                                                    None if bias is None else bias.float())
-            else:
-                logits = lm_head(h.float()).float()
-        log_norm = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - log_norm
-        if not with_entropy:
-            return logp, torch.zeros_like(logp)
-        return logp, log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start:start + chunk], tokens[start:start + chunk]
-        if torch.is_grad_enabled() and h.requires_grad:
-            logp, entropy = torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False)
-        else:
-            logp, entropy = one_chunk(h, y)
-        logps.append(logp)
-        entropies.append(entropy)
-    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
-    entropy = torch.cat(entropies) if entropies else torch.zeros_like(logp)
-    return (logp, entropy) if with_entropy else logp
-
-
-def k3(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
-    """The k3 estimate of KL(pi || other) per token, for tokens sampled from pi.
-
-        k3_k = exp(l^other_k - l_k) - 1 + (l_k - l^other_k)   >= 0, exactly 0 where l = l^other
-
-    (..., T) -> (..., T). Unbiased, never negative, low variance (Schulman's "approximating KL").
-    """
-    log_ratio = other_logp - logp
-    return torch.exp(log_ratio) - 1 - log_ratio
-
-
-def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor):
-    """The retirement statistic K of one iteration, and its k3 companion.   (paper: Sec. retirement)
-
-        K    = sum_k mask_k (l^old_k - l^T_k) / sum_k mask_k        (signed: the k1 estimate)
-        K_k3 = sum_k mask_k k3(l^old_k, l^T_k) / sum_k mask_k       (never negative)
-
-    Both estimate KL(student || teacher) on the student's own samples, over all response tokens of
-    all turn-samples of the iteration. K is what the rule reads (the authors' K = -gap_mean); it
-    can be negative on a batch where the teacher likes the sampled tokens more than the student
-    does. K_k3 is a diagnostic: the discrepancy a plot should show beside K. Returns two floats.
-    """
-    tokens = mask.sum().clamp(min=1)
-    gap = float(((old_logp - teacher_logp) * mask).sum() / tokens)
-    return gap, float((k3(old_logp, teacher_logp) * mask).sum() / tokens)
-
-
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip: float = 0.2, dual_clip: float = 3.0,
-                ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
-                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
-                num_tokens: Optional[float] = None):
-    """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
-                                                                     (paper: the RL backbone)
-        ratio_k = exp(clamp(l^theta_k - l^old_k, -20, 20))   (verl's clamp: never inf)
-        L^clip_k = max(-ratio_k A_k, -clip(ratio_k, 1-eps, 1+eps) A_k)
-        L^PG_k  = min(L^clip_k, -c A_k)  where A_k < 0  (dual clip: a huge ratio on a bad token
-                  cannot blow the loss up),  L^clip_k elsewhere
-        L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
-
-    All tensors (B, T) (or any matching shape); `advantages` per token (a turn-sample's GRPO
-    advantage repeated over its tokens). The KL term (phase 1 and --algo grpo) is clamped at 10 as
-    verl's low_var_kl is. num_tokens is the token count of the whole mini-batch (default:
-    mask.sum()), so the losses of micro-batches add up to the mini-batch's token-mean. Returns
-    (loss, stats); stats are sums over tokens divided by num_tokens too, so they add up across
-    micro-batches the same way: clip_frac (the clipped term was the larger), dual_clip_frac (the
-    dual clip was active), approx_kl_old (mean l^old - l^theta), kl_ref, entropy.
-    """
-    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
-    clip_loss = torch.maximum(unclipped, clipped)
-    dual_cap = -advantages * dual_clip
-    per_token = torch.where(advantages < 0, torch.minimum(clip_loss, dual_cap), clip_loss)
-    mean = lambda values: float((values.detach().float() * mask).sum() / num_tokens)  # noqa: E731
-    stats = {"pg_loss": mean(per_token), "clip_frac": mean(clipped > unclipped),
-             "dual_clip_frac": mean((clip_loss > dual_cap) & (advantages < 0)),
-             "approx_kl_old": mean(old_logp - logp)}
-    if kl_coef > 0 and ref_logp is not None:
-        kl_ref = torch.clamp(k3(logp, ref_logp), max=10.0)
-        per_token = per_token + kl_coef * kl_ref
-        stats["kl_ref"] = mean(kl_ref)
-    if entropy_coef > 0 and entropy is not None:
-        per_token = per_token - entropy_coef * entropy
-        stats["entropy"] = mean(entropy)
-    return (per_token * mask).sum() / num_tokens, stats
-
-
-def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
-             num_tokens: Optional[float] = None):
-    """The on-policy distillation loss, a term of its own outside the PPO clip.  (paper: OPD term)
-
-        rho_k  = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
-        k3_k   = exp(min(l^T_k - l^theta_k, 20)) - 1 + (l^theta_k - l^T_k)
-        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD
-
-    (B, T) tensors; l^old and l^T are constants, the gradient flows through l^theta in both
-    factors: d(rho k3)/dl^theta = rho (l^theta - l^T) (the clamps cut it where they bind). That is
-    the reverse-KL policy gradient with an unclipped, importance-weighted per-token advantage
-    lambda (l^T - l^theta): the student is pushed toward tokens the teacher finds likelier than
-    it does. (Differentiating mean(l^theta - l^T) instead has zero expected gradient, because
-    E_pi[grad log pi] = 0; test_retireopd shows both facts.) Returns (loss, {"opd_loss": ...}).
-    """
-    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
-    teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
-    weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
-    k3_teacher = torch.exp(torch.clamp(teacher_logp - logp, max=20.0)) - 1 + (logp - teacher_logp)
-    loss = (weight * k3_teacher * mask).sum() / num_tokens
-    return loss, {"opd_loss": float(loss.detach())}
-
-
-# ----- the retirement rule: the authors' state machine, as three pure pieces and one latch -------
-# Each phase-2 iteration's gap K goes into a block of W iterations; a full block's mean is kept.
-# At every validation the oldest full block not yet judged is judged against the previous judged
-# one: the first only sets the baselines, so with W = 5 = eval_every the earliest decision is at
-# the validation after iteration 10 (1-based) and the teacher is gone from iteration 11.
-
-
-def alignment_progress(previous_block: Optional[float], block: float, eps: float = 1e-8) -> Optional[float]:
-    """How much the gap shrank from one block to the next.          (paper: retirement condition i)
-
-        progress = (K_{m-1} - K_m) / K_{m-1}
-
-    None (the criterion is invalid) when there is no previous block or |K_{m-1}| <= eps.
-    "Stopped shrinking" is progress <= threshold (0.0): the gap did not decrease at all.
-    """
-    if previous_block is None or abs(previous_block) <= eps:
-        return None
-    return (previous_block - block) / previous_block
-
-
-def competence(success: float, previous_success: float, teacher_success: float) -> float:
-    """The student's competence relative to its teacher.            (paper: retirement condition ii)
-
-        competence = (S_m + S_{m-1}) / (2 S_T)
-
-    S_m, S_{m-1}: the student's validation successes at this judging validation and the previous
-    one; S_T > 0: the teacher's validation success with skills.
-    """
-    return (success + previous_success) / (2 * teacher_success)
-
-
-def should_retire(progress: Optional[float], competence_ratio: Optional[float], threshold: float = 0.0,
-                  rho: float = 0.9) -> bool:
-    """Both conditions: the criterion is valid, progress <= threshold and competence >= rho."""
-    return progress is not None and competence_ratio is not None and progress <= threshold \
-        and competence_ratio >= rho
-
-
-@dataclass
-class Retirement:
-    """Phase 2's retirement state: K blocks, the judged baselines, and the latch.
-
-    mode "adaptive": the rule above; "fixed": --retire-at N (the teacher scores N iterations);
-    "never": grpo+opd and opd (the rule's numbers are still logged). The whole state is saved in
-    every checkpoint, so a resumed run decides exactly as an uninterrupted one.
-    """
-    teacher_success: Optional[float]  # S_T (> 0 for the adaptive rule)
-    mode: str = "adaptive"
-    window: int = 5
-    threshold: float = 0.0
-    rho: float = 0.9
-    retire_at: Optional[int] = None
-    eps: float = 1e-8
-    pending: list = field(default_factory=list)  # K of the block being filled
-    blocks: list = field(default_factory=list)  # [last iteration, mean K] of each full block
-    judged: int = 0  # blocks judged so far (FIFO)
-    previous_block: Optional[float] = None  # K_{m-1}
-    previous_success: Optional[float] = None  # S_{m-1}
-    retired: bool = False
-    retired_at: Optional[int] = None  # the first phase-2 iteration that runs without the teacher
-
-    def observe_gap(self, iteration: int, gap: float) -> dict:
-        """Buffer one iteration's K; returns {"gap_block": mean} when this iteration fills a block."""
-        self.pending.append(gap)
-        if len(self.pending) < self.window:
-            return {}
-        self.blocks.append([iteration, sum(self.pending) / self.window])
-        self.pending = []
-        return {"gap_block": self.blocks[-1][1]}
-
-    def observe_validation(self, iteration: int, success: float) -> dict:
-        """Judge the oldest unjudged full block, if any, with this validation's success."""
-        record = {"val_success": success, "progress": None, "competence": None, "criterion_valid": False}
-        if self.judged == len(self.blocks):
-            return record  # no full block since the last judgement: nothing to judge
-        block = self.blocks[self.judged][1]
-        record["judged_block"] = block
-        if self.previous_block is not None and self.teacher_success:
-            progress = alignment_progress(self.previous_block, block, self.eps)
-            competence_ratio = competence(success, self.previous_success, self.teacher_success)
-            record.update(progress=progress, competence=competence_ratio,
-                          criterion_valid=progress is not None)
-        self.previous_block, self.previous_success, self.judged = block, success, self.judged + 1
-        if self.mode == "adaptive" and not self.retired and should_retire(
-                record["progress"], record["competence"], self.threshold, self.rho):
-            self.retired, self.retired_at = True, iteration + 1  # the latch: never re-enabled
-        return record
-
-    def observe_schedule(self, iteration: int) -> None:
-        """--retire-at N: the teacher scores iterations 0..N-1."""
-        if self.mode == "fixed" and not self.retired and iteration + 1 >= self.retire_at:
-            self.retired, self.retired_at = True, iteration + 1
-
-# ==================================================================================================
-# 6. Rollout: B tasks x G episodes, played in lock-step
-# ==================================================================================================
-# At every turn the prompts of all still-active episodes are generated in one batched call
-# (left padding, KV cache), then every environment is stepped. Each turn becomes one training
-# sample (TurnSample). The policy's prompt carries the skill block only in phase 1 (the teacher
-# trains with its skills); in phase 2 the student's prompt is skill-free and the teacher prompt
-# s_t^T of the same turn is stored beside it for scoring.
-
-
-@dataclass
-class TurnSample:
-    group: int  # g: which task of the iteration (all G episodes of a task share it)
-    episode: int  # i: which episode
-    prompt_ids: list  # the policy's prompt tokens (s_t; with skills in phase 1)
-    response_ids: list  # y: the tokens the policy sampled (ending in EOS unless cut)
-    malformed: bool  # no <think>/<action> pair, CJK, or cut at max_response_tokens
-    teacher_prompt_ids: Optional[list] = None  # s_t^T, when a teacher will score y
-    score: float = 0.0  # r_{i,t} = R_i - 0.1 [malformed], set when the episode ends
-    sample_logp: Optional[torch.Tensor] = None  # (len(y),) log-probs of y as the sampler saw them
-
-
-@dataclass
-class Episode:
-    env: Any
-    group: int
-    task: str = ""
-    task_type: str = ""
-    observation: str = ""
-    admissible: list = field(default_factory=list)
-    history: list = field(default_factory=list)  # (observation, action) pairs
-    turns: int = 0
-    won: bool = False
-    done: bool = False
-    error: Optional[str] = None
+    device = next(model.parameters()).device
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    input_ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=device)
+    attention_mask = torch.zeros_like(input_ids)
+    rows, cols, targets = [], [], []
+    for b, (prompt, response) in enumerate(zip(prompts, responses)):
+        sequence = prompt + response
+        input_ids[b, : len(sequence)] = torch.tensor(sequence, device=device)
+        attention_mask[b, : len(sequence)] = 1
+        rows += [b] * len(response)
+        cols += range(len(prompt) - 1, len(sequence) - 1)  # position t predicts token t+1
+        targets += response
+    with autocast(device):
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False).last_hidden_state
+    picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
+    with autocast(device):
+        return token_logprobs(picked, torch.tensor(targets, device=device),
+                              model.get_output_embeddings(), cfg.logprob_chunk, with_entropy)
 
 
 def autocast(device: torch.device):
@@ -1801,39 +1581,6 @@ def autocast(device: torch.device):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     import contextlib
     return contextlib.nullcontext()
-
-
-def encode_prompt(tokenizer, user_message: str) -> list:
-    messages = [{"role": "user", "content": user_message}]  # the template adds its default system turn
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def episode_prompts(tokenizer, episode: Episode, cfg: Config, skills: str) -> tuple[list, list, bool]:
-    """(student prompt ids, teacher prompt ids, truncated) for the episode's current turn.
-
-    When the student prompt exceeds max_prompt_tokens we drop history pairs, then keep the tail
-    of the observation. The teacher prompt is built from exactly the same content plus the skill
-    block: it is never cut (its budget is the student's plus the skill block).
-    """
-    history, observation, truncated = episode.history[-cfg.history:] if cfg.history else [], \
-        episode.observation, False
-    while True:
-        student = encode_prompt(tokenizer, build_user_message(
-            cfg.env, episode.task, episode.turns, history, observation, episode.admissible))
-        if len(student) <= cfg.max_prompt_tokens:
-            break
-        truncated = True
-        if history:
-            history = history[1:]
-        elif len(observation) > 200:
-            observation = "..." + observation[len(observation) // 2:]
-        else:
-            break  # the admissible list alone is too long: keep it, the budget is advisory here
-    teacher = encode_prompt(tokenizer, build_user_message(
-        cfg.env, episode.task, episode.turns, history, observation, episode.admissible, skills)) \
-        if skills else student
-    return student, teacher, truncated
 
 
 @contextlib.contextmanager
@@ -1925,149 +1672,6 @@ def prefill_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     return transformers.DynamicCache(joined_layers(), config=model.config)
 
 
-class Sampled(NamedTuple):
-    ids: list  # the response's token ids, ending in EOS unless cut
-    hit_cap: bool  # cut at max_new_tokens without EOS
-    logp: Optional[torch.Tensor] = None  # (len(ids),) fp32, CPU: log-prob of each token at sampling time
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float,
-             prefill_batch: int = 0) -> list:
-    """Sample one response per prompt in one batched call. Returns [Sampled] in prompt order.
-
-    The sampling settings are passed in full (temperature, top_k=0, top_p=1, no repetition
-    penalty) and the logits are fp32: the log-probs we train on are those of the distribution
-    pi(.|s) we sampled from. Each response carries the temperature-1 log-prob of its tokens as
-    the sampler saw them (SampledTokenLogprobs), to compare with the scoring pass.
-    prefill_batch: prompts prefilled per forward (prefill_cache) when fewer than len(prompts);
-    0 prefills all of them in generate's own single forward.
-    """
-    pad = tokenizer.pad_token_id
-    width = max(len(p) for p in prompts)
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    eos = eos_token_ids(model)
-    sampling = transformers.GenerationConfig(
-        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-        top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
-        repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    recorder = SampledTokenLogprobs()
-    with autocast(device), fp32_output_head(model):
-        split = 0 < prefill_batch < len(prompts) and width > 1
-        cache = prefill_cache(model, input_ids, attention_mask, prefill_batch) if split else None
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=sampling,
-                             logits_processor=transformers.LogitsProcessorList([recorder]), cache=cache)
-    new_tokens = out[:, width:]
-    logps = recorder.finish(new_tokens).float().cpu()
-    responses = []
-    for row, logp in zip(new_tokens.tolist(), logps):
-        end = next((k for k, tok in enumerate(row) if tok in eos), None)
-        n, cut = (end + 1, False) if end is not None else (len(row), True)
-        responses.append(Sampled(row[:n], cut, logp[:n]))
-    return responses
-
-
-def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, group_size: int,
-            policy_skills: bool, teacher_skills: bool, temperature: float, desc: str = "rollout"):
-    """Play len(tasks) * group_size episodes in lock-step. Returns (samples, episodes, stats).
-
-    policy_skills: the policy's own prompt carries the skill block (phase 1, teacher evaluation).
-    teacher_skills: also store s_t^T for every turn so a teacher can score it (phase 2 with OPD).
-    """
-    timers = {"t_generate": 0.0, "t_env": 0.0}
-    start = time.perf_counter()
-    episodes = []
-    for group, task in enumerate(tasks):
-        for _ in range(group_size):
-            episodes.append(Episode(env=suite.new_episode(task, group), group=group))
-    resets = env_calls([(episode.env, "reset", ()) for episode in episodes])
-    for episode, result in zip(episodes, resets):
-        if isinstance(result, Exception):  # a broken task ends as a failure; the run goes on
-            episode.done, episode.error = True, f"reset: {result!r}"
-            continue
-        episode.observation, info = result
-        episode.task, episode.task_type = info["task"], info["task_type"]
-        episode.admissible = info["admissible"]
-    timers["t_env"] += time.perf_counter() - start
-    samples: list[TurnSample] = []
-    by_episode: dict[int, list[TurnSample]] = {}
-    generated_tokens, truncated_prompts, generate_steps = 0, 0, 0
-    model.eval()
-    bar = tqdm(total=cfg.max_turns, desc=desc, leave=False, dynamic_ncols=True,
-               disable=not sys.stderr.isatty())  # inner bars only in a terminal, not in log files
-    for _turn in range(cfg.max_turns):
-        active = [i for i, e in enumerate(episodes) if not e.done]
-        if not active:
-            break
-        prompts, teacher_prompts = [], []
-        for i in active:
-            skills = skill_text(cfg.env, episodes[i].task_type)
-            student, teacher, truncated = episode_prompts(tokenizer, episodes[i], cfg, skills)
-            prompts.append(teacher if policy_skills else student)
-            teacher_prompts.append(teacher if teacher_skills else None)
-            truncated_prompts += truncated
-        t0 = time.perf_counter()
-        responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature,
-                             prefill_batch=cfg.prefill_batch)
-        timers["t_generate"] += time.perf_counter() - t0
-        generate_steps += max(len(r.ids) for r in responses)  # the batch decodes to its longest answer
-        t0 = time.perf_counter()
-        stepping = []  # (episode, action); malformed answers are no-ops: the env is not stepped
-        for i, prompt, teacher_prompt, response in zip(active, prompts, teacher_prompts, responses):
-            episode = episodes[i]
-            generated_tokens += len(response.ids)
-            action = None if response.hit_cap else parse_action(
-                tokenizer.decode(response.ids, skip_special_tokens=True))
-            sample = TurnSample(episode.group, i, prompt, response.ids, action is None, teacher_prompt,
-                                sample_logp=response.logp)
-            samples.append(sample)
-            by_episode.setdefault(i, []).append(sample)
-            episode.turns += 1
-            if action is not None:
-                stepping.append((episode, action))
-        results = env_calls([(episode.env, "step", (action,)) for episode, action in stepping])
-        for (episode, action), result in zip(stepping, results):
-            if isinstance(result, Exception):
-                episode.done, episode.error = True, f"step: {result!r}"
-                continue
-            observation, _, env_done, info = result
-            episode.history.append((episode.observation, action))
-            episode.observation, episode.admissible = observation, info["admissible"]
-            episode.won, episode.done = bool(info["won"]), bool(env_done or info["won"])
-            if info.get("error"):
-                episode.error = info["error"]
-        for i in active:
-            if episodes[i].turns >= cfg.max_turns:
-                episodes[i].done = True
-        timers["t_env"] += time.perf_counter() - t0
-        bar.update(1)
-        bar.set_postfix(active=len(active), won=sum(e.won for e in episodes))
-    bar.close()
-    t0 = time.perf_counter()  # hand engines back (to this process's pool, or the worker's)
-    env_calls([(episode.env, "close", ()) for episode in episodes if hasattr(episode.env, "close")])
-    timers["t_env"] += time.perf_counter() - t0
-    for i, episode in enumerate(episodes):  # r_{i,t} = R_i - penalty [turn t malformed]
-        episode_reward = cfg.success_reward if episode.won else 0.0
-        for sample in by_episode.get(i, []):
-            sample.score = episode_reward - cfg.malformed_penalty * sample.malformed
-    stats = {"success": sum(e.won for e in episodes) / max(len(episodes), 1),
-             "reward": sum(cfg.success_reward * e.won for e in episodes) / max(len(episodes), 1),
-             "turns": sum(e.turns for e in episodes) / max(len(episodes), 1),
-             "malformed_frac": sum(s.malformed for s in samples) / max(len(samples), 1),
-             "env_errors": sum(e.error is not None for e in episodes),
-             "prompts_truncated": truncated_prompts, "gen_tokens": generated_tokens,
-             "gen_steps": generate_steps, "samples": len(samples), **timers}
-    stats["gen_tokens_per_s"] = generated_tokens / max(timers["t_generate"], 1e-9)
-    stats["gen_ms_per_step"] = 1000 * timers["t_generate"] / max(generate_steps, 1)
-    return samples, episodes, stats
-
-# ==================================================================================================
-# 7. Update: old / teacher / reference log-probs, then PPO-clip in mini-batches
-# ==================================================================================================
-
-
 def make_micro_batches(lengths: list, token_budget: int) -> list:
     """Group sample indices into micro-batches of at most `token_budget` padded tokens.
 
@@ -2087,38 +1691,6 @@ def make_micro_batches(lengths: list, token_budget: int) -> list:
     return batches
 
 
-def response_logprobs(model, prompts: list, responses: list, cfg: Config, with_entropy: bool = False):
-    """Log-probs (and entropies) of each response's tokens given its prompt, one forward pass.
-
-    prompts, responses: lists of token-id lists (the *same* response ids are scored under
-    whichever prompt is given: the student's s_t or the teacher's s_t^T). Sequences are right
-    padded (positions 0..L-1 as in generation, padding after the end cannot affect earlier
-    tokens under causal attention), and only the hidden states that predict response tokens go
-    through lm_head. Returns flat tensors over all response tokens, in input order.
-    Gradients flow iff enabled by the caller.
-    """
-    device = next(model.parameters()).device
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    width = max(lengths)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    attention_mask = torch.zeros_like(input_ids)
-    rows, cols, targets = [], [], []
-    for b, (prompt, response) in enumerate(zip(prompts, responses)):
-        sequence = prompt + response
-        input_ids[b, : len(sequence)] = torch.tensor(sequence, device=device)
-        attention_mask[b, : len(sequence)] = 1
-        rows += [b] * len(response)
-        cols += range(len(prompt) - 1, len(sequence) - 1)  # position t predicts token t+1
-        targets += response
-    with autocast(device):
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  use_cache=False).last_hidden_state
-    picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
-    with autocast(device):
-        return token_logprobs(picked, torch.tensor(targets, device=device),
-                              model.get_output_embeddings(), cfg.logprob_chunk, with_entropy)
-
-
 def sample_logp_gap(samples: list, old_logp: list) -> dict:
     """|l^sample - l^old| over every response token: the log-prob each token had when it was
     sampled (cached decode, TurnSample.sample_logp) against the scoring pass's (full forward).
@@ -2132,98 +1704,6 @@ def sample_logp_gap(samples: list, old_logp: list) -> dict:
         return {}
     gap = (torch.cat([sampled for sampled, _ in pairs]) - torch.cat([old for _, old in pairs])).abs()
     return {"sample_logp_gap_mean": float(gap.mean()), "sample_logp_gap_max": float(gap.max())}
-
-
-@torch.no_grad()
-def score_samples(model, samples: list, cfg: Config, use_teacher_prompt: bool = False) -> list:
-    """Per-sample response log-probs under a frozen view of `model` (old policy, teacher, ref)."""
-    model.eval()
-    prompts = [s.teacher_prompt_ids if use_teacher_prompt else s.prompt_ids for s in samples]
-    lengths = [len(p) + len(s.response_ids) for p, s in zip(prompts, samples)]
-    out: list = [None] * len(samples)
-    for batch in make_micro_batches(lengths, cfg.token_budget):
-        flat = response_logprobs(model, [prompts[i] for i in batch],
-                                 [samples[i].response_ids for i in batch], cfg)
-        for i, logp in zip(batch, flat.split([len(samples[i].response_ids) for i in batch])):
-            out[i] = logp.float().cpu()
-    return out
-
-
-def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Optional[list], cfg: Config, *,
-               mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
-               teacher_logp: Optional[list] = None, opd_coef: float = 0.0,
-               rng: Optional[random.Random] = None) -> dict:
-    """One epoch (cfg.ppo_epochs) over the turn-samples: mini-batches -> token-budget micro-batches.
-
-        L = L_PPO(advantages) + kl_coef KL_ref - entropy_coef H  +  opd_coef L_OPD(teacher_logp)
-
-    advantages[i]: the per-token advantage of sample i (shape (len(response_i),)), or None for
-    pure OPD, which trains on opd_coef * L_OPD alone. teacher_logp: the teacher's log-probs of
-    the same tokens (None: no OPD term). Each optimizer step uses one mini-batch; its loss is the
-    token-mean over the whole mini-batch, accumulated over micro-batches. A non-finite loss or
-    gradient skips that step (counted, never applied).
-    """
-    rng = rng or random.Random(0)
-    device = next(model.parameters()).device
-    model.train()
-    totals: dict = {}
-    steps = skipped = 0
-    trained_tokens = padded_tokens = 0
-    grad_norms = []
-    with_entropy = advantages is not None and cfg.entropy_coef > 0
-    for _epoch in range(cfg.ppo_epochs):
-        order = list(range(len(samples)))
-        rng.shuffle(order)
-        for start in range(0, len(order), mini_batch):
-            mini = order[start:start + mini_batch]
-            num_tokens = sum(len(samples[i].response_ids) for i in mini)
-            lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mini]
-            optimizer.zero_grad(set_to_none=True)
-            finite = True
-            for micro in make_micro_batches(lengths, cfg.token_budget):
-                idx = [mini[j] for j in micro]
-                padded_tokens += len(idx) * max(lengths[j] for j in micro)
-                trained_tokens += sum(lengths[j] for j in micro)
-                scored = response_logprobs(
-                    model, [samples[i].prompt_ids for i in idx], [samples[i].response_ids for i in idx],
-                    cfg, with_entropy=with_entropy)
-                logp, entropy = scored if with_entropy else (scored, None)
-                cat = lambda tensors: torch.cat([tensors[i] for i in idx]).to(device)  # noqa: E731
-                mask = torch.ones_like(logp)
-                loss, stats = logp.new_zeros(()), {}
-                if advantages is not None:
-                    loss, stats = policy_loss(
-                        logp, cat(old_logp), cat(advantages), mask, cfg.clip_eps, cfg.dual_clip,
-                        ref_logp=cat(ref_logp) if ref_logp is not None else None, kl_coef=kl_coef,
-                        entropy=entropy, entropy_coef=cfg.entropy_coef, num_tokens=num_tokens)
-                if teacher_logp is not None and opd_coef > 0:
-                    distill, distill_stats = opd_loss(logp, cat(old_logp), cat(teacher_logp), mask, num_tokens)
-                    loss = loss + opd_coef * distill
-                    stats.update(distill_stats)
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                loss.backward()
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if not finite or not torch.isfinite(grad_norm):
-                skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            for group in optimizer.param_groups:  # linear warm-up (--lr-warmup-steps), then cfg.lr
-                group["lr"] = cfg.lr * min(1.0, (optimizer_steps_taken(optimizer) + 1) / max(cfg.lr_warmup_steps, 1))
-            optimizer.step()
-            steps += 1
-            grad_norms.append(float(grad_norm))
-    optimizer.zero_grad(set_to_none=True)
-    n = max(steps + skipped, 1)
-    out = {key: value / n for key, value in totals.items()}
-    out.update(optimizer_steps=steps, skipped_steps=skipped, trained_tokens=trained_tokens,
-               grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
-               padding_frac=1 - trained_tokens / max(padded_tokens, 1))
-    return out
 
 
 def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
@@ -2240,8 +1720,62 @@ def build_adamw(model, cfg: Config) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                              fused=True if on_cuda else None)
 
+
+class UpdateMeter:
+    """ppo_update's bookkeeping for metrics.jsonl: the sums of each loss term and stat (token-means
+    that add up over micro-batches; averaged over optimizer steps), tokens trained and padded,
+    gradient norms. It also cuts each mini-batch into micro-batches (make_micro_batches)."""
+
+    def __init__(self):
+        self.totals, self.grad_norms = {}, []
+        self.steps = self.skipped = self.trained_tokens = self.padded_tokens = 0
+
+    def micro_batches(self, samples: list, mini: list, token_budget: int):
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mini]
+        for micro in make_micro_batches(lengths, token_budget):
+            self.padded_tokens += len(micro) * max(lengths[j] for j in micro)
+            self.trained_tokens += sum(lengths[j] for j in micro)
+            yield [mini[j] for j in micro]
+
+    def add(self, loss: torch.Tensor, stats: dict) -> None:
+        for key, value in {**stats, "loss": float(loss.detach())}.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def stepped(self, grad_norm: torch.Tensor) -> None:
+        self.steps += 1
+        self.grad_norms.append(float(grad_norm))
+
+    def stats(self) -> dict:
+        n = max(self.steps + self.skipped, 1)
+        return {**{key: value / n for key, value in self.totals.items()}, "optimizer_steps": self.steps,
+                "skipped_steps": self.skipped, "trained_tokens": self.trained_tokens,
+                "grad_norm": sum(self.grad_norms) / max(len(self.grad_norms), 1),
+                "padding_frac": 1 - self.trained_tokens / max(self.padded_tokens, 1)}
+
+
+def set_warmup_lr(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
+    """Linear learning-rate warm-up over the first --lr-warmup-steps optimizer steps, then cfg.lr."""
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * min(1.0, (optimizer_steps_taken(optimizer) + 1) / max(cfg.lr_warmup_steps, 1))
+
+
+def rng_state(device: torch.device) -> dict:
+    """The torch RNG streams a resumed run must continue: CPU, and the training GPU's only (a
+    run may resume where a different set of GPUs is visible)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
 # ==================================================================================================
-# 8. Phases: Skill-GRPO teacher, then GRPO + OPD student with adaptive retirement
+# 10. The run folder: logs, models, checkpoints, resume
 # ==================================================================================================
 
 
@@ -2273,6 +1807,8 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 RUN_IDENTITY = "run.json"  # what a run folder holds: written when the run starts, kept by --resume
+
+
 RUN_ENTRIES = (RUN_IDENTITY, "config.json", "metrics.jsonl", "events.jsonl", "eval.jsonl", "checkpoints",
                "teacher", "student")  # any of these: the folder holds a run (of any version of this script)
 
@@ -2468,6 +2004,49 @@ class Run:
         events = [e for e in read_jsonl(self.dir / "events.jsonl", note=True) if keep_event(e)]
         write_text_atomically(self.dir / "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
 
+    def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
+        record["t_iteration"] = time.perf_counter() - started
+        record["peak_mem_gb"] = peak_memory_gb(device)
+        self.log("metrics.jsonl", record)
+
+    def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
+        """The retirement event (events.jsonl) with the numbers that decided it, and its message."""
+        self.log("events.jsonl", {"event": "retirement", "rule": retirement.mode, "retired_at": retirement.retired_at,
+                                  "decided_after_iteration": iteration,
+                                  **{key: record.get(key) for key in ("judged_block", "progress", "competence",
+                                                                      "val_success", "criterion_valid")}})
+        tqdm.write(retirement_message(iteration, retirement, record))
+
+    def log_report(self, phase: str, result: dict) -> None:
+        """An end-of-phase evaluation on the report panel (eval.jsonl)."""
+        self.log("eval.jsonl", {"phase": phase, "iteration": phase_iterations(self.cfg, phase) - 1,
+                                "panel": "report", **result})
+
+    def checkpoint_phase(self, model, tokenizer, phase: str, iteration: int, iterations: int, retired_now: bool, *,
+                         optimizer, rng: random.Random, val_successes: list,
+                         retirement: Optional[Retirement]) -> None:
+        """A resumable checkpoint every --save-every iterations, at the phase's last iteration and at
+        retirement: the fp32 policy and everything a resumed run needs to go on exactly as this one."""
+        last = iteration + 1 == iterations
+        if last or retired_now or (self.cfg.save_every and (iteration + 1) % self.cfg.save_every == 0):
+            self.checkpoint(model, tokenizer, {
+                "phase": phase, "iteration": iteration, "optimizer": optimizer.state_dict(),
+                "python_rng": rng.getstate(), "rng": rng_state(next(model.parameters()).device),
+                "val_successes": val_successes,
+                "retirement": dataclasses.asdict(retirement) if retirement else None})
+
+    def save_teacher(self, model, tokenizer, teacher_success: float, validations: list) -> None:
+        # teacher_ready is logged before the save: a resume that finds teacher/ saved finds this line
+        # too, one that does not drops it
+        self.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
+        self.save_model(model, tokenizer, "teacher", {"teacher_success": teacher_success, "env": self.cfg.env,
+                                                      "validations": validations[-2:]})
+
+    def save_student(self, model, tokenizer, teacher_success: Optional[float],
+                     retirement: Optional[Retirement]) -> None:
+        self.save_model(model, tokenizer, "student", {"algo": self.cfg.algo, "teacher_success": teacher_success,
+                                                      "retired_at": retirement.retired_at if retirement else None})
+
 
 def save_pretrained_as(model, folder: Path, dtype: torch.dtype) -> None:
     """model.save_pretrained with the weights cast to dtype (copies on the CPU, a tied weight
@@ -2486,55 +2065,17 @@ def save_pretrained_as(model, folder: Path, dtype: torch.dtype) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """CUDA max allocated on GPU, the process's peak resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+def retirement_message(iteration: int, retirement: Retirement, record: dict) -> str:
+    if retirement.mode == "fixed":
+        return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
+    return (f"[retireopd] teacher retired after iteration {iteration}: the gap K stopped shrinking "
+            f"(block mean {record['judged_block']:.4g}, progress {record['progress']:+.3f} <= "
+            f"{retirement.threshold}) and the student is competent (its last two validations, "
+            f"{record['val_success']:.2f} now, average {record['competence']:.2f} x S_T >= {retirement.rho}); "
+            f"GRPO alone from iteration {retirement.retired_at}")
 
 
-def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skills: bool, desc: str) -> dict:
-    """Success on a fixed panel (`tasks`) at the evaluation temperature, per task type and overall.
-
-    The panels never change between runs (sorted games / the fixed validation goals); episodes
-    are played in lock-step batches of B*G with a fixed sampling seed (recorded), drawn from a
-    forked RNG so that evaluating does not change the training run's random stream.
-    """
-    device = next(model.parameters()).device
-    chunk = cfg.batch_tasks * cfg.group_size
-    records = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(cfg.seed + 12345)
-        for start in range(0, len(tasks), chunk):
-            batch = tasks[start:start + chunk]
-            _, episodes, _ = rollout(model, tokenizer, suite, batch, cfg, group_size=1,
-                                     policy_skills=skills, teacher_skills=False,
-                                     temperature=cfg.eval_temperature, desc=desc)
-            records += [(e.task_type or suite.task_type(task), e.won) for e, task in zip(episodes, batch)]
-    return {**success_by_task_type(records), "skills": skills, "seed": cfg.seed + 12345,
-            "temperature": cfg.eval_temperature}
-
-
-def rng_state(device: torch.device) -> dict:
-    """The torch RNG streams a resumed run must continue: CPU, and the training GPU's only (a
-    run may resume where a different set of GPUs is visible)."""
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def phase_protocol(cfg: Config, with_teacher: bool) -> tuple[int, float]:
-    """(turn-samples per optimizer step, KL-to-reference coefficient) of a phase, as the authors run
-    them: phase 1 and --algo grpo 256 / 64 with KL 0.01; phase 2 with a teacher 128, no KL."""
-    return (cfg.opd_mini_batch, cfg.opd_kl_coef) if with_teacher else (cfg.mini_batch, cfg.kl_coef)
+# ----- Phase bookkeeping for train_phase and the phases (section 6) --------------------------------
 
 
 def phase_iterations(cfg: Config, phase: str) -> int:
@@ -2546,137 +2087,229 @@ def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
     return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == iterations
 
 
-def retirement_message(iteration: int, retirement: Retirement, record: dict) -> str:
-    if retirement.mode == "fixed":
-        return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
-    return (f"[retireopd] teacher retired after iteration {iteration}: the gap K stopped shrinking "
-            f"(block mean {record['judged_block']:.4g}, progress {record['progress']:+.3f} <= "
-            f"{retirement.threshold}) and the student is competent (its last two validations, "
-            f"{record['val_success']:.2f} now, average {record['competence']:.2f} x S_T >= {retirement.rho}); "
-            f"GRPO alone from iteration {retirement.retired_at}")
+@contextlib.contextmanager
+def timed(record: dict, key: str):
+    """record[key] = the seconds the block took (the per-stage times of metrics.jsonl)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        record[key] = time.perf_counter() - start
 
 
-def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run, *,
-                policy_skills: bool, frozen: dict, grpo_loss: bool = True,
-                retirement: Optional[Retirement] = None, resume: Optional[dict] = None) -> list:
-    """One phase of training. Returns the validation success rates of its validations.
+def start_measuring(device: torch.device) -> float:
+    """An iteration starts: reset the peak-memory counter; returns the start time."""
+    reset_peak_memory(device)
+    return time.perf_counter()
 
-    phase "teacher": Skill-GRPO (policy_skills=True, no teacher).
-    phase "student": GRPO (no teacher), GRPO + OPD (frozen["teacher"] set), pure OPD
-    (grpo_loss=False), with the retirement rule fed at every iteration and validation when
-    `retirement` is given. frozen: {"teacher": model or None, "reference": model or None}. The
-    teacher is popped from this dict at retirement, so that (with the caller holding no other
-    reference) it is freed. resume: a checkpoint's trainer state; training continues after its
-    iteration.
+
+def restore_phase(resume: dict, optimizer, rng: random.Random, device: torch.device) -> tuple[list, int]:
+    """Continue a phase from a checkpoint's trainer state: AdamW's moments, the task-sampling and
+    sampling RNGs. Returns (validation successes so far, the first iteration to run)."""
+    optimizer.load_state_dict(resume.pop("optimizer"))  # pop: no second copy of the moments
+    rng.setstate(resume["python_rng"])
+    set_rng_state(resume["rng"], device)
+    return list(resume["val_successes"]), resume["iteration"] + 1
+
+
+def progress_postfix(record: dict, val_successes: list, retirement: Optional[Retirement]) -> dict:
+    postfix = {"success": f"{record['success']:.2f}"}
+    if "gap" in record:
+        postfix["K"] = f"{record['gap']:.4f}"
+    if val_successes:
+        postfix["val"] = f"{val_successes[-1]:.2f}"
+    if retirement is not None:
+        postfix["retired"] = retirement.retired
+    return postfix
+
+
+def recorded_teacher_success(cfg: Config, teacher_dir: Path) -> float:
+    """S_T for phase 2: recorded beside the teacher at the end of phase 1, or --teacher-success.
+    S_T = 0 stops the run here for the adaptive rule: its competence test cannot be judged."""
+    stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
+    teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
+    print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
+          + (f" (--teacher-success; recorded {stored:.3f})" if cfg.teacher_success is not None else
+             " (mean of its last two validations)"))
+    if teacher_success <= 0 and ALGORITHMS[cfg.algo].retirement == "adaptive" and cfg.retire_at is None:
+        raise SystemExit(f"retireopd: S_T = 0 (the teacher in {teacher_dir} never won a validation task), "
+                         "so the competence test cannot be judged: set --teacher-success S, or retire on a "
+                         "fixed schedule with --retire-at N")
+    return teacher_success
+
+
+@dataclass
+class FrozenModels:
+    """The frozen models a phase scores with: the teacher (phase 2, until it retires) and the base
+    model as the KL reference (when its coefficient is > 0). This object holds their only
+    references, so `release_teacher` frees the teacher's memory for good."""
+    teacher: Optional[torch.nn.Module] = None
+    reference: Optional[torch.nn.Module] = None
+
+    def release_teacher(self) -> None:
+        self.teacher = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class Models:
+    """Where a run's models come from: the base model (for the tiny demo, its warm-started copy,
+    built once per run folder), a policy to train (the base model, or the checkpoint's when a
+    resume continues that phase), and frozen copies for scoring (the teacher, the KL reference)."""
+
+    def __init__(self, cfg: Config, run: Run, device: torch.device, checkpoint: Optional[Path] = None,
+                 state: Optional[dict] = None):
+        self.cfg, self.device, self.checkpoint, self.state = cfg, device, checkpoint, state
+        self.base = cfg.model  # what both phases start from, and the KL reference
+        if cfg.model == "tiny" and cfg.warm_start > 0:
+            self.base = warm_started_tiny_base(run, device, cfg.warm_start)
+        self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
+        if self.teacher_dir.is_dir() and (problem := teacher_folder_problem(self.teacher_dir, cfg.env)):
+            raise SystemExit(f"retireopd: {problem}")  # a resume's own teacher/, from another environment
+
+    def teacher_saved(self) -> bool:
+        return (self.teacher_dir / "retireopd.json").is_file()
+
+    def policy(self, phase: str):
+        """(model, tokenizer, the checkpoint's trainer state if this phase resumes, else None)."""
+        resuming = self.state is not None and self.state["phase"] == phase
+        model, tokenizer = load_policy(str(self.checkpoint) if resuming else self.base, self.device, torch.float32,
+                                       self.cfg.seed)
+        one_thread_if_small(model, self.device)
+        if self.cfg.gradient_checkpointing and self.device.type == "cuda":
+            model.activation_checkpointing_enable()
+        resume, self.state = (self.state if resuming else None), None  # handed over: held once
+        return model, tokenizer, resume
+
+    def frozen(self, name) -> torch.nn.Module:
+        """A frozen copy for scoring only (--frozen-dtype): the teacher, or the base model as reference."""
+        dtype = torch.bfloat16 if self.cfg.frozen_dtype == "bfloat16" else torch.float32
+        model, _ = load_policy(str(name), self.device, dtype, self.cfg.seed)
+        return model.requires_grad_(False).eval()
+
+
+# ==================================================================================================
+# 11. Memory: the estimate printed at start, and what is measured
+# ==================================================================================================
+
+
+def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
+                       device: Optional[torch.device] = None) -> dict:
+    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB).
+
+    Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
+    moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
+    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of three
+    stages that never overlap (each frees its tensors before the next begins):
+      rollout: the KV cache of the lock-step batch at full length (keys fp32 under autocast,
+        values bf16; plus one layer, the copy each decode step's concatenation makes); the
+        prefill's temporaries, for prefill_batch rows (all B*G when 0) of the widest prompt:
+        one layer's working set per token (fp32 residual stream, its norm and the attention
+        output, 12 B per hidden unit; three bf16 MLP tensors, 6 B per intermediate unit) and
+        the boolean attention mask (width^2 B per row); sampling: three fp32 (B*G, vocab)
+        tensors per decode step (generate's logits and softmax, our log-softmax).
+      forward/backward: with gradient checkpointing one fp32 hidden state per layer per token
+        of a micro-batch plus one layer's working set; log-probs: one chunk of
+        vocabulary-sized fp32 logits and their softmax.
+      optimizer step: AdamW's temporaries: none when fused (CUDA), about one fp32 copy of the
+        parameters for the multi-tensor path (not used), two of the largest parameter's size for
+        the CPU loop.
+    device: where the run trains (default: the model's), which decides the AdamW path.
     """
+    device = device or next(model.parameters()).device
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    shape = model.config
+    hidden, intermediate, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
+    frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
+    per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
+    activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
+    sequences = cfg.batch_tasks * cfg.group_size
+    head_dim = hidden // shape.num_attention_heads
+    prompt_width = cfg.max_prompt_tokens + skill_tokens
+    kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
+                * shape.num_key_value_heads * head_dim * (4 + 2))
+    prefill_rows = min(cfg.prefill_batch or sequences, sequences)
+    prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
+    if device.type == "cuda":  # build_adamw: fused on CUDA
+        optimizer_temporaries = 0
+    else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
+        optimizer_temporaries = 2 * 4 * max(p.numel() for p in params)
+    parts = dict(policy_and_adam=18 * n_params, frozen_models=frozen_bytes * n_params * n_frozen,
+                 kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
+                 activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12,
+                 optimizer_temporaries=optimizer_temporaries)
+    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
+    stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
+              "forward_backward": gib["activations"] + gib["logits"],
+              "optimizer_step": gib["optimizer_temporaries"]}
+    gib["peak_stage"] = max(stages, key=stages.get)
+    gib["total"] = round(gib["policy_and_adam"] + gib["frozen_models"] + stages[gib["peak_stage"]], 2)
+    gib["params_millions"] = round(n_params / 1e6, 2)
+    return gib
+
+
+def format_memory_estimate(memory: dict) -> str:
+    """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
+    stages = {"rollout": ("kv_cache", "prefill", "sampling"),
+              "forward_backward": ("activations", "logits"), "optimizer_step": ("optimizer_temporaries",)}
+    order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
+    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]) for stage in order]
+    return (f"{memory['total']} GiB = policy_and_adam {memory['policy_and_adam']} + frozen_models "
+            f"{memory['frozen_models']} + the largest stage ({'; '.join(described)}); "
+            f"{memory['params_millions']}M parameters")
+
+
+def print_memory_estimate(policy, cfg: Config, run: Run, phase: str, frozen: FrozenModels,
+                          skill_tokens: int = 0) -> None:
+    """Print (and log) the memory estimate before the phase allocates anything heavy."""
     device = next(policy.parameters()).device
-    optimizer = build_adamw(policy, cfg)
-    rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
-    # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
-    mini_batch, kl_coef = phase_protocol(cfg, with_teacher=retirement is not None or frozen.get("teacher") is not None)
-    val_successes, first = [], 0
-    torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase))  # sampling: a fixed stream per phase
-    if resume is not None:
-        optimizer.load_state_dict(resume.pop("optimizer"))  # pop: no second copy of the moments
-        rng.setstate(resume["python_rng"])
-        set_rng_state(resume["rng"], device)
-        val_successes, first = list(resume["val_successes"]), resume["iteration"] + 1
-    iterations = phase_iterations(cfg, phase)
-    bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True,
-               initial=first, total=iterations)
-    for iteration in bar:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t_start = time.perf_counter()
-        tasks = [rng.choice(suite.train) for _ in range(cfg.batch_tasks)]
-        teacher = frozen.get("teacher")
-        teacher_active = teacher is not None and not (retirement and retirement.retired)
-        samples, _, roll = rollout(policy, tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
-                                   policy_skills=policy_skills, teacher_skills=teacher_active,
-                                   desc=f"{phase} {iteration} rollout", temperature=cfg.temperature)
-        record: dict = {"phase": phase, "iteration": iteration, **roll}
-        if not samples:
-            raise RuntimeError("no turn-samples were produced: every episode failed at reset")
-        # --- GRPO advantages: one per turn-sample, repeated over its tokens ---------------------
-        advantages = None
-        if grpo_loss:
-            group_adv = grpo_advantages(torch.tensor([s.score for s in samples]),
-                                        torch.tensor([s.group for s in samples]))
-            advantages = [torch.full((len(s.response_ids),), float(a)) for s, a in zip(samples, group_adv)]
-        # --- log-probs: old policy (rollout model), teacher on s_t^T, reference ---------------
-        t0 = time.perf_counter()
-        old_logp = score_samples(policy, samples, cfg)
-        record["t_old_logp"] = time.perf_counter() - t0
-        record.update(sample_logp_gap(samples, old_logp))
-        teacher_logp = None
-        if teacher_active:
-            t0 = time.perf_counter()
-            teacher_logp = score_samples(teacher, samples, cfg, use_teacher_prompt=True)
-            record["t_teacher"] = time.perf_counter() - t0
-            flat_old = torch.cat(old_logp)
-            record["gap"], record["gap_k3"] = teacher_student_gap(flat_old, torch.cat(teacher_logp),
-                                                                  torch.ones_like(flat_old))
-            if retirement is not None:
-                record.update(retirement.observe_gap(iteration, record["gap"]))
-        ref_logp, reference = None, frozen.get("reference")
-        if reference is not None and kl_coef > 0:
-            t0 = time.perf_counter()
-            ref_logp = score_samples(reference, samples, cfg)
-            record["t_reference"] = time.perf_counter() - t0
-        # --- the update: L_PPO (+ KL - entropy) + lambda L_OPD -----------------------------------
-        record["opd_coef"] = cfg.opd_coef if teacher_active else 0.0
-        t0 = time.perf_counter()
-        update = ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, mini_batch=mini_batch,
-                            kl_coef=kl_coef, ref_logp=ref_logp, teacher_logp=teacher_logp,
-                            opd_coef=record["opd_coef"], rng=rng)
-        record["t_update"] = time.perf_counter() - t0
-        record.update(update)
-        record["train_tokens_per_s"] = update["trained_tokens"] / max(record["t_update"], 1e-9)
-        # --- validation on the fixed panel; it feeds S_T (phase 1) and the retirement rule -------
-        if validation_due(cfg, iteration, iterations):
-            result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=policy_skills,
-                              desc=f"{phase} validation")
-            run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation", **result})
-            val_successes.append(result["overall"])
-            record["val_success"] = result["overall"]
-            if retirement is not None and teacher_active:
-                record.update(retirement.observe_validation(iteration, result["overall"]))
-        if retirement is not None and teacher_active:
-            retirement.observe_schedule(iteration)
-        retired_now = retirement is not None and teacher_active and retirement.retired
-        if retired_now:  # from the next iteration on: no OPD term, no teacher forward
-            run.log("events.jsonl", {"event": "retirement", "rule": retirement.mode, "retired_at": retirement.retired_at,
-                                     "decided_after_iteration": iteration,
-                                     **{k: record.get(k) for k in ("judged_block", "progress", "competence",
-                                                                   "val_success", "criterion_valid")}})
-            tqdm.write(retirement_message(iteration, retirement, record))
-            frozen.pop("teacher")  # the teacher leaves memory for good
-            del teacher
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        record["teacher_active"] = teacher_active
-        record["retired"] = bool(retirement is not None and retirement.retired)
-        if retirement is not None:
-            record["teacher_success"] = retirement.teacher_success
-        record["t_iteration"] = time.perf_counter() - t_start
-        record["peak_mem_gb"] = peak_memory_gb(device)
-        run.log("metrics.jsonl", record)
-        last = iteration + 1 == iterations
-        if last or retired_now or (cfg.save_every and (iteration + 1) % cfg.save_every == 0):
-            run.checkpoint(policy, tokenizer, {
-                "phase": phase, "iteration": iteration, "optimizer": optimizer.state_dict(),
-                "python_rng": rng.getstate(), "rng": rng_state(device), "val_successes": val_successes,
-                "retirement": dataclasses.asdict(retirement) if retirement else None})
-        postfix = {"success": f"{roll['success']:.2f}"}
-        if "gap" in record:
-            postfix["K"] = f"{record['gap']:.4f}"
-        if val_successes:
-            postfix["val"] = f"{val_successes[-1]:.2f}"
-        if retirement is not None:
-            postfix["retired"] = retirement.retired
-        bar.set_postfix(postfix)
-    return val_successes
+    n_frozen = sum(model is not None for model in (frozen.teacher, frozen.reference))
+    memory = estimate_memory_gb(policy, cfg, n_frozen, skill_tokens, device)
+    print(f"[retireopd] {phase} memory estimate: {format_memory_estimate(memory)}")
+    if device.type == "cuda":
+        available = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if memory["total"] > 0.95 * available:
+            print(f"[retireopd] WARNING: the estimate exceeds this GPU's {available:.0f} GiB: lower "
+                  "--token-budget, --max-prompt-tokens or --batch-tasks, or set --kl-coef 0")
+    run.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": memory, "device": str(device)})
+
+
+def process_memory_gb(field_name: str = "VmRSS") -> float:
+    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def current_memory_gb(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the
+    process's peak resident set (VmHWM; the process's peak so far where Linux refuses the reset)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return process_memory_gb("VmHWM")
+
+
+# ==================================================================================================
+# 12. Plot
+# ==================================================================================================
 
 
 def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
@@ -2760,45 +2393,54 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
 
 
 # ==================================================================================================
-# 9. main: arguments, the algorithms (--algo), outputs
+# 13. Command line: flags, the tiny presets, checks that fail in one line
 # ==================================================================================================
+# `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
+# a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
+# On ALFWorld's fixture games and the built-in WebShop catalogue the tiny model only runs the code
+# paths: small and quick, no warm start (it knows only the kitchen), and since it never wins (S_T =
+# 0) the teacher retires on a fixed schedule halfway through phase 2, unless --teacher-success or
+# --retire-at is given.
+TINY_PRESET_ELSEWHERE = dict(warm_start=0, teacher_iterations=None, iterations=10, batch_tasks=2, group_size=4,
+                             max_response_tokens=32, eval_episodes=4, lr=1e-4, lr_warmup_steps=0,
+                             retire_at="half")
 
 
-def config_field_help() -> dict:
-    """--help text for each Config field: the comment written beside it in the class body."""
-    import inspect
-    helps, name = {}, None
-    for line in inspect.getsource(Config).splitlines():
-        field_line = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.*)$", line)
-        continuation = re.match(r"\s+#   (.*)$", line)  # a comment continued on the next line
-        if field_line:
-            name = field_line.group(1)
-            helps[name] = field_line.group(2)
-        elif continuation and name:
-            helps[name] += " " + continuation.group(1)
-        else:
-            name = None
-    return {key: text.replace("%", "%%") for key, text in helps.items()}
+TINY_PRESET = dict(
+    env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
+    group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=16, opd_mini_batch=16,
+    window=3, eval_every=3, lr=5e-4, lr_warmup_steps=30, entropy_coef=0.0, kl_coef=0.0, opd_coef=0.1,
+)
+
+
+EXAMPLES = """examples:
+  python retireopd.py --model tiny                        # the offline CPU demo (the kitchen), ~4 min
+  python retireopd.py --model tiny --algo grpo            # the demo's GRPO baseline, to --compare
+  python retireopd.py --model tiny --env alfworld         # the code paths on fixture ALFWorld games we write
+  python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
+  python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
+  python retireopd.py --model random:Qwen2.5-1.5B --iterations 1   # real shapes, random weights
+  python retireopd.py --algo grpo | skill-grpo | opd | grpo+opd | retireopd --retire-at 40
+  python retireopd.py --resume RUN_DIR | --plot RUN_DIR | --compare RUN_DIR RUN_DIR"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\nWith --model tiny, a flag "
-                                     "marked [default: X; tiny: Y] defaults to Y (TINY_PRESET).",
-                                     epilog="\n\n".join(__doc__.split("\n\n")[3:5]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """One flag per Config field, its help text from the field's metadata (arg), plus the actions."""
+    parser = argparse.ArgumentParser(
+        description="RetireOPD: self-retiring on-policy distillation for agentic RL (arXiv 2609.20784). With "
+        "--model tiny, a flag marked [default: X; tiny: Y] defaults to Y (TINY_PRESET).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only draw RUN_DIR/plot.png and exit")
     parser.add_argument("--compare", metavar="RUN_DIR", nargs="+", help="only draw several runs on one figure")
     parser.add_argument("--benchmark", action="store_true",
                         help="time our rollout/update/log-probs against plain Hugging Face calls and exit")
-    helps = config_field_help()
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
         tiny = f"; tiny: {TINY_PRESET[f.name]}" if f.name in TINY_PRESET else ""  # what --model tiny uses instead
-        text = f"{helps.get(f.name, '')} [default: {f.default}{tiny}]"
+        text = f"{f.metadata['help']} [default: {f.default}{tiny}]".replace("%", "%%")
+        flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
@@ -2968,52 +2610,9 @@ def validate_config(cfg: Config) -> None:
         raise SystemExit("retireopd: " + "\n".join(problems))
 
 
-SMALL_MODEL_PARAMS = 20_000_000
-
-
-def one_thread_if_small(model, device: torch.device) -> None:
-    """On a CPU, a model below SMALL_MODEL_PARAMS runs on one torch thread: its matrices are too
-    small to gain from threads, and on a busy 2-core machine two threads were measured 4-20x
-    slower for the tiny model (spinning threads of competing processes). Bigger models keep
-    torch's default (set OMP_NUM_THREADS to choose)."""
-    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
-        torch.set_num_threads(1)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-# ----- the built-in benchmark (--benchmark): our code paths against the plain Hugging Face ones -----
-
-
-def process_memory_gb(field_name: str = "VmRSS") -> float:
-    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def current_memory_gb(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def measured_peak_gb(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmHWM")
+# ==================================================================================================
+# 14. The built-in benchmark (--benchmark): our code paths against the plain Hugging Face ones
+# ==================================================================================================
 
 
 MEASURABLE_PEAK_GB = 0.01  # the benchmark's memory floor: below it a peak is noise, not a measurement
@@ -3093,14 +2692,14 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
         timed("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg,
                                                                   mini_batch=cfg.mini_batch)["trained_tokens"])
         timed("plain_update", plain_update)
-        for name, fn in (("ours_logprob", lambda: score_samples(model, samples, cfg)),
+        for name, fn in (("ours_logprob", lambda: response_logprobs(model, samples, cfg)),
                          ("plain_logprob", lambda: plain_logprobs(*plain_batch()))):
             gc.collect()
             base = current_memory_gb(device)
             reset_peak_memory(device)
             with torch.no_grad():
                 timed(name, lambda: (fn(), len(samples) * n_new)[1])
-            memory[name].append(measured_peak_gb(device) - base)
+            memory[name].append(peak_memory_gb(device) - base)
     median = {name: statistics.median(t for t, _ in runs) for name, runs in timings.items()}
     peak = {name: statistics.median(v) for name, v in memory.items()}
     tokens = {name: runs[-1][1] for name, runs in timings.items()}
@@ -3120,44 +2719,9 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
     return report
 
 
-def format_memory_estimate(memory: dict) -> str:
-    """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
-    stages = {"rollout": ("kv_cache", "prefill", "sampling"),
-              "forward_backward": ("activations", "logits"), "optimizer_step": ("optimizer_temporaries",)}
-    order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
-    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]) for stage in order]
-    return (f"{memory['total']} GiB = policy_and_adam {memory['policy_and_adam']} + frozen_models "
-            f"{memory['frozen_models']} + the largest stage ({'; '.join(described)}); "
-            f"{memory['params_millions']}M parameters")
-
-
-def print_memory_estimate(policy, cfg: Config, device: torch.device, run: Run, phase: str,
-                          n_frozen: int, skill_tokens: int = 0) -> None:
-    """Print (and log) the memory estimate before the phase allocates anything heavy."""
-    memory = estimate_memory_gb(policy, cfg, n_frozen, skill_tokens, device)
-    print(f"[retireopd] {phase} memory estimate: {format_memory_estimate(memory)}")
-    if device.type == "cuda":
-        available = torch.cuda.get_device_properties(device).total_memory / 2**30
-        if memory["total"] > 0.95 * available:
-            print(f"[retireopd] WARNING: the estimate exceeds this GPU's {available:.0f} GiB: lower "
-                  "--token-budget, --max-prompt-tokens or --batch-tasks, or set --kl-coef 0")
-    run.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": memory, "device": str(device)})
-
-
-def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
-    """The offline demo's base model, RUN_DIR/tiny_base: the tiny model after `steps` warm-start
-    steps, built once per run folder (a resume, or a folder that already has it, reuses it). Seed 0
-    whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
-    folder = run.dir / "tiny_base"
-    if not (folder / "retireopd.json").is_file():
-        model, tok = load_policy("tiny", device, torch.float32, seed=0)
-        one_thread_if_small(model, device)
-        report = warm_start(model, tok, steps, seed=0)
-        print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
-              f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
-              f"{report['last_loss']:.3f}")
-        run.save_model(model, tok, "tiny_base", {"warm_start": report})
-    return str(folder)
+# ==================================================================================================
+# 15. main
+# ==================================================================================================
 
 
 def main(argv: Optional[list] = None) -> Optional[Path]:
@@ -3196,7 +2760,6 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    frozen_dtype = torch.bfloat16 if cfg.frozen_dtype == "bfloat16" else torch.float32
     try:  # data problems surface here, in one line, before any model is loaded
         suite = TaskSuite(cfg)
     except (FileNotFoundError, ValueError) as error:
@@ -3216,89 +2779,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
           f"{len(suite.validation_panel)}, report panel of {len(suite.report_panel)}) with {cfg.model} on "
           f"{device}; run folder {run.dir}")
 
-    base_model = cfg.model  # what both phases start from (and the KL reference)
-    if cfg.model == "tiny" and cfg.warm_start > 0:  # the demo's base: warm-started once, kept in the run
-        base_model = warm_started_tiny_base(run, device, cfg.warm_start)
-
-    def policy_from(phase: str):
-        """The model to train: the base model, or the checkpoint's when resuming this phase."""
-        resuming = state is not None and state["phase"] == phase
-        model, tok = load_policy(str(checkpoint) if resuming else base_model, device, torch.float32, cfg.seed)
-        one_thread_if_small(model, device)
-        if cfg.gradient_checkpointing and device.type == "cuda":
-            model.activation_checkpointing_enable()
-        return model, tok, (state if resuming else None)
-
-    def load_frozen(name: str):
-        """A frozen copy for scoring only: the teacher, or the base model as the KL reference."""
-        model, _ = load_policy(name, device, frozen_dtype, cfg.seed)
-        return model.requires_grad_(False).eval()
-
-    algorithm = ALGORITHMS[cfg.algo]
-
-    # --- phase 1: Skill-GRPO teacher (or a saved one) ---------------------------------------------
-    teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
-    if teacher_dir.is_dir() and (problem := teacher_folder_problem(teacher_dir, cfg.env)):  # a resume's own
-        raise SystemExit(f"retireopd: {problem}")
-    if algorithm.teacher_phase and not (teacher_dir / "retireopd.json").is_file():
-        policy, tokenizer, resume = policy_from("teacher")
-        _, kl_coef = phase_protocol(cfg, with_teacher=False)
-        frozen = {"teacher": None, "reference": load_frozen(base_model) if kl_coef > 0 else None}
-        print_memory_estimate(policy, cfg, device, run, "phase 1", n_frozen=int(kl_coef > 0),
-                              skill_tokens=1024)
-        validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, policy_skills=True,
-                                  frozen=frozen, resume=resume)
-        teacher_success = sum(validations[-2:]) / len(validations[-2:])  # S_T: its last two validations
-        for skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo: both ways
-            result = evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=skills,
-                              desc=f"teacher report ({'skills' if skills else 'no skills'})")
-            run.log("eval.jsonl", {"phase": "teacher", "iteration": phase_iterations(cfg, "teacher") - 1,
-                                   "panel": "report", **result})
-        run.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})  # (before the
-        # save: a resume that finds teacher/ saved finds this line too, one that does not drops it)
-        run.save_model(policy, tokenizer, "teacher", {"teacher_success": teacher_success, "env": cfg.env,
-                                                     "validations": validations[-2:]})
-        del policy, resume, frozen
-        gc.collect()
-
-    # --- S_T: the teacher's validation success with skills ----------------------------------------
-    teacher_success = None
-    if algorithm.student_phase and algorithm.opd_loss:
-        stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
-        teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
-        print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
-              + (f" (--teacher-success; recorded {stored:.3f})" if cfg.teacher_success is not None else
-                 " (mean of its last two validations)"))
-        if teacher_success <= 0 and algorithm.retirement == "adaptive" and cfg.retire_at is None:
-            raise SystemExit(f"retireopd: S_T = 0 (the teacher in {teacher_dir} never won a validation task), "
-                             "so the competence test cannot be judged: set --teacher-success S, or retire on a "
-                             "fixed schedule with --retire-at N")
-
-    # --- phase 2: the skill-free student ------------------------------------------------------------
-    if algorithm.student_phase and "student" not in run.finished_phases():  # (saved: a resume skips it)
-        policy, tokenizer, resume = policy_from("student")
-        retirement = None
-        if algorithm.opd_loss:
-            mode = "fixed" if cfg.retire_at is not None else (algorithm.retirement or "never")
-            retirement = Retirement(teacher_success, mode, cfg.window, cfg.alignment_threshold, cfg.rho,
-                                    cfg.retire_at)
-            if resume is not None and resume["retirement"] is not None:
-                retirement = Retirement(**resume["retirement"])
-        state = None  # phase-1 optimizer moments, if any, are not kept through phase 2
-        frozen = {"teacher": None, "reference": None}
-        if retirement is not None and not retirement.retired:
-            frozen["teacher"] = load_frozen(str(teacher_dir))  # frozen holds the only reference
-        _, kl_coef = phase_protocol(cfg, with_teacher=algorithm.opd_loss)
-        if kl_coef > 0:  # the reference is the base model; never loaded when its coefficient is 0
-            frozen["reference"] = load_frozen(base_model)
-        print_memory_estimate(policy, cfg, device, run, "phase 2",
-                              n_frozen=sum(m is not None for m in frozen.values()))
-        train_phase("student", policy, tokenizer, suite, cfg, run, policy_skills=False, frozen=frozen,
-                    grpo_loss=algorithm.grpo_loss, retirement=retirement, resume=resume)
-        result = evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=False, desc="student report")
-        run.log("eval.jsonl", {"phase": "student", "iteration": cfg.iterations - 1, "panel": "report", **result})
-        run.save_model(policy, tokenizer, "student", {"algo": cfg.algo, "teacher_success": teacher_success,
-                                                     "retired_at": retirement.retired_at if retirement else None})
+    train(cfg, suite, run, Models(cfg, run, device, checkpoint, state))
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
     plot = plot_runs([run.dir])

@@ -380,13 +380,13 @@ def test_opd_expected_gradient_is_the_kl_gradient_and_naive_is_zero():
 
 
 def test_parse_action_rules():
-    assert R.parse_action("<think>go</think><action>Go To Cabinet 1</action>") == "go to cabinet 1"
-    assert R.parse_action("<think>a</think> <action> click[buy now] </action> trailing") == "click[buy now]"
-    assert R.parse_action("<action>look</action>") is None  # no think pair
-    assert R.parse_action("<think>x</think><action>look") is None  # unclosed action
-    assert R.parse_action("<think>看</think><action>look</action>") is None  # CJK
-    assert R.parse_action("<think>x</think><action> </action>") is None  # empty action
-    assert R.parse_action("") is None
+    assert R.action_from_answer("<think>go</think><action>Go To Cabinet 1</action>") == "go to cabinet 1"
+    assert R.action_from_answer("<think>a</think> <action> click[buy now] </action> trailing") == "click[buy now]"
+    assert R.action_from_answer("<action>look</action>") is None  # no think pair
+    assert R.action_from_answer("<think>x</think><action>look") is None  # unclosed action
+    assert R.action_from_answer("<think>看</think><action>look</action>") is None  # CJK
+    assert R.action_from_answer("<think>x</think><action> </action>") is None  # empty action
+    assert R.action_from_answer("") is None
 
 
 def test_teacher_prompt_is_student_prompt_plus_skills_before_task():
@@ -403,7 +403,7 @@ def test_teacher_prompt_is_student_prompt_plus_skills_before_task():
         assert part in student, part
     assert "cool X with fridge 1" in skills and "Skills for this task" in skills
     assert R.skill_text("webshop", "fashion") != R.skill_text("webshop", "food")
-    for task_type in R.ALFWORLD_TASK_TYPES:
+    for task_type in R.alfworld_env.ALFWORLD_TASK_TYPES:
         assert len(R.skill_text("alfworld", task_type)) > len(R.skill_text("alfworld", "unknown"))
 
 
@@ -446,8 +446,8 @@ def test_batched_logprobs_equal_each_sequence_alone(tiny):
     responses = [ids for ids, *_ in R.generate(model, tok, prompts, 6, 1.0)]  # left-padded batch
     cfg = small_cfg()
     with torch.no_grad():
-        together = R.response_logprobs(model, prompts, responses, cfg)
-        alone = torch.cat([R.response_logprobs(model, [p], [r], cfg) for p, r in zip(prompts, responses)])
+        together = R.sequence_logprobs(model, prompts, responses, cfg)
+        alone = torch.cat([R.sequence_logprobs(model, [p], [r], cfg) for p, r in zip(prompts, responses)])
     assert together.shape == (sum(map(len, responses)),)
     assert torch.allclose(together, alone, atol=1e-5)
 
@@ -481,7 +481,7 @@ def test_sampling_is_full_distribution_despite_checkpoint_generation_config(tiny
     # the old-policy log-probs of our forward pass equal the sampling distribution's
     responses = [ids for ids, *_ in R.generate(loaded, loaded_tok, [prompt] * 2, 3, 1.0)]
     captured_logp = torch.stack([torch.log_softmax(step[0], -1) for step in captured["logits"]])
-    ours = R.response_logprobs(loaded, [prompt], [responses[0]], small_cfg())
+    ours = R.sequence_logprobs(loaded, [prompt], [responses[0]], small_cfg())
     expected = captured_logp[torch.arange(len(responses[0])), torch.tensor(responses[0])]
     assert torch.allclose(ours, expected, atol=1e-4)
 
@@ -512,22 +512,22 @@ def test_teacher_scores_the_student_token_ids_and_empty_skills_give_zero_discrep
     model, tok = tiny
     cfg = small_cfg(env="alfworld")
     torch.manual_seed(0)
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
-                              teacher_skills=True, temperature=1.0)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=True, temperature=1.0)
     sample = samples[0]
     assert len(sample.teacher_prompt_ids) > len(sample.prompt_ids)
     assert tok.decode(sample.teacher_prompt_ids).count("Skills for this task") == 1
     assert "Skills for this task" not in tok.decode(sample.prompt_ids)
-    student_logp = R.score_samples(model, samples, cfg)
-    teacher_logp = R.score_samples(model, samples, cfg, use_teacher_prompt=True)
+    student_logp = R.response_logprobs(model, samples, cfg)
+    teacher_logp = R.response_logprobs(model, samples, cfg, teacher_prompt=True)
     assert [len(t) for t in teacher_logp] == [len(s.response_ids) for s in samples]
     assert not torch.allclose(torch.cat(student_logp), torch.cat(teacher_logp))  # prompts differ
     # empty skill text, teacher = student: exactly zero discrepancy
     monkeypatch.setattr(R, "skill_text", lambda env, task_type: "")
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
-                              teacher_skills=True, temperature=1.0)
-    student_logp = torch.cat(R.score_samples(model, samples, cfg))
-    teacher_logp = torch.cat(R.score_samples(model, samples, cfg, use_teacher_prompt=True))
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=True, temperature=1.0)
+    student_logp = torch.cat(R.response_logprobs(model, samples, cfg))
+    teacher_logp = torch.cat(R.response_logprobs(model, samples, cfg, teacher_prompt=True))
     assert R.teacher_student_gap(student_logp, teacher_logp, torch.ones_like(student_logp)) == (0.0, 0.0)
 
 
@@ -545,7 +545,7 @@ def test_environment_exceptions_end_the_episode_as_a_logged_failure(tiny):
     original, R.generate = R.generate, scripted
     try:
         samples, episodes, stats = R.rollout(model, tok, Broken(), [0], small_cfg(env="alfworld", max_turns=3),
-                                             group_size=2, policy_skills=False, teacher_skills=False,
+                                             group_size=2, skills_in_prompt=False, with_teacher_prompts=False,
                                              temperature=1.0)
     finally:
         R.generate = original
@@ -558,7 +558,7 @@ def test_malformed_answers_are_penalised_noops(tiny):
     model, tok = tiny  # the random tiny model never writes the tags: every turn is malformed
     cfg = small_cfg(env="alfworld", max_turns=3)
     samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2,
-                                         policy_skills=False, teacher_skills=False, temperature=1.0)
+                                         skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
     assert len(samples) == 6 and all(s.malformed for s in samples)
     assert all(s.score == pytest.approx(-0.1) for s in samples)
     assert all(e.history == [] and e.turns == 3 and not e.won for e in episodes)
@@ -569,9 +569,9 @@ def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
     model, tok = tiny
     cfg = small_cfg(env="alfworld")
     torch.manual_seed(3)
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
-                              teacher_skills=False, temperature=1.0)
-    old = R.score_samples(model, samples, cfg)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=False, temperature=1.0)
+    old = R.response_logprobs(model, samples, cfg)
     advantages = [torch.randn(len(s.response_ids)) for s in samples]
 
     def loss_and_grad_norm(token_budget):
@@ -598,13 +598,13 @@ def test_gpu_numerics_path_on_cpu_bf16_autocast_and_gradient_checkpointing(tiny,
     monkeypatch.setattr(R, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
     cfg = small_cfg(env="alfworld")
     torch.manual_seed(5)
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
-                              teacher_skills=False, temperature=1.0)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=False, temperature=1.0)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     frozen = copy.deepcopy(model).requires_grad_(False).eval()
-    old = R.score_samples(model, samples, cfg)
+    old = R.response_logprobs(model, samples, cfg)
     assert all(logp.dtype == torch.float32 for logp in old)
-    frozen_logp = torch.cat(R.score_samples(frozen, samples, cfg))
+    frozen_logp = torch.cat(R.response_logprobs(frozen, samples, cfg))
     assert R.teacher_student_gap(torch.cat(old), frozen_logp, torch.ones_like(frozen_logp)) == (0.0, 0.0)
 
     def gradients(checkpointing):
@@ -616,7 +616,7 @@ def test_gpu_numerics_path_on_cpu_bf16_autocast_and_gradient_checkpointing(tiny,
         # a pre-hook on a module inside the layer: the checkpoint wraps the layer's forward, not its
         # hooks, and the recomputation stops as soon as it has what the backward needs
         copied.model.layers[0].mlp.register_forward_pre_hook(lambda *args: calls.append(1))
-        logp, entropy = R.response_logprobs(copied, prompts, responses, cfg, with_entropy=True)
+        logp, entropy = R.sequence_logprobs(copied, prompts, responses, cfg, with_entropy=True)
         assert logp.dtype == torch.float32
         (logp.sum() + 0.1 * entropy.sum()).backward()
         return {name: p.grad for name, p in copied.named_parameters()}, len(calls)
@@ -713,9 +713,9 @@ def test_retireopd_retires_by_the_rule_then_trains_with_grpo_alone(tmp_path, mon
     monkeypatch.setattr(R, "evaluate", lambda model, tok, suite, tasks, cfg, skills, desc: {
         **real_evaluate(model, tok, suite, tasks, cfg, skills, desc), **({} if skills else {"overall": 0.5})})
     monkeypatch.setattr(R, "teacher_student_gap", lambda *a: (1.0, real_gap(*a)[1]))
-    teacher_calls, real_score = [], R.score_samples
-    monkeypatch.setattr(R, "score_samples", lambda model, samples, cfg, use_teacher_prompt=False: (
-        teacher_calls.append(use_teacher_prompt), real_score(model, samples, cfg, use_teacher_prompt))[1])
+    teacher_calls, real_score = [], R.response_logprobs
+    monkeypatch.setattr(R, "response_logprobs", lambda model, samples, cfg, teacher_prompt=False: (
+        teacher_calls.append(teacher_prompt), real_score(model, samples, cfg, teacher_prompt))[1])
     run_dir, metrics, events = run_cli(tmp_path, "adaptive", "--env", "webshop", "--iterations", "4")
     (retirement,) = [e for e in events if e["event"] == "retirement"]
     # W = 1: block 0 sets the baselines at iteration 0; iteration 1 judges block 1: progress 0, competence 1
@@ -792,11 +792,11 @@ def test_a_bf16_saved_teacher_loaded_in_fp32_gives_zero_discrepancy_only_against
     rounded_student = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
     cfg = small_cfg(env="alfworld")
     torch.manual_seed(0)
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, policy_skills=False,
-                              teacher_skills=False, temperature=1.0)
-    teacher_logp = torch.cat(R.score_samples(teacher, samples, cfg))
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0, 0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=False, temperature=1.0)
+    teacher_logp = torch.cat(R.response_logprobs(teacher, samples, cfg))
     for student, zero in ((rounded_student, True), (model, False)):
-        student_logp = torch.cat(R.score_samples(student, samples, cfg))
+        student_logp = torch.cat(R.response_logprobs(student, samples, cfg))
         _, discrepancy = R.teacher_student_gap(student_logp, teacher_logp, torch.ones_like(student_logp))
         assert (discrepancy == 0.0) == zero
         assert discrepancy < 1e-5  # measured: ~1.5e-7 on the tiny model
@@ -849,11 +849,12 @@ def test_help_says_which_defaults_the_tiny_preset_replaces():
 # 10. ALFWorld on the real alfworld/TextWorld engine: fixture games we write, and the shared real games
 # ==================================================================================================
 
-from retireopd import (  # noqa: E402  (the ALFWorld section of retireopd.py)
+from alfworld_env import (  # noqa: E402
     ALFWORLD_FIXTURE_GAMES, ALFWORLD_TASK_TYPES, AlfWorldDataError, AlfWorldEnv,
     alfworld_data_root, alfworld_eval_panel, alfworld_task_type, discover_alfworld_games,
-    success_by_task_type, write_fixture_alfworld_games, _ALFWORLD_MEMO,
+    write_fixture_alfworld_games, _ALFWORLD_MEMO,
 )
+from retireopd import success_by_task_type  # noqa: E402
 
 HAVE_ALFWORLD = importlib.util.find_spec("alfworld") is not None
 needs_alfworld = pytest.mark.skipif(not HAVE_ALFWORLD, reason="alfworld is not installed")
@@ -1066,7 +1067,7 @@ def test_walkthrough_wins_exactly_at_the_end(fixture_root):
             obs, reward, done, info = env.step(action)
             last = k == len(actions) - 1
             assert info["won"] is last and done is last, (game, action)
-            assert reward == (10.0 if last else 0.0)
+            assert reward == (1.0 if last else 0.0)
             assert "Nothing happens." not in obs
         assert info["turn"] == len(actions)
         # a finished episode ignores further steps
@@ -1087,7 +1088,7 @@ def test_inadmissible_command_changes_nothing(fixture_root):
     assert (reward, done, info["won"], info["turn"]) == (0.0, False, False, 1)
     for action in _walkthrough(game):     # the state is unchanged: the walkthrough still wins
         _, reward, done, info = env.step(action)
-    assert info["won"] and reward == 10.0 and done
+    assert info["won"] and reward == 1.0 and done
 
 
 @needs_alfworld
@@ -1115,7 +1116,7 @@ def test_malformed_answer_is_a_counted_noop(fixture_root):
     assert (reward, done, info2["won"], info2["turn"]) == (0.0, False, False, 2)
     for action in actions[1:]:              # state unchanged: the rest of the walkthrough wins
         _, reward, done, info = env.step(action)
-    assert info["won"] and reward == 10.0 and done and info["turn"] == len(actions) + 1
+    assert info["won"] and reward == 1.0 and done and info["turn"] == len(actions) + 1
     env2 = AlfWorldEnv(game, max_turns=2)   # no-ops count toward the turn cap
     env2.reset()
     assert [env2.step(None)[2] for _ in range(2)] == [False, True]
@@ -1200,7 +1201,7 @@ def test_group_members_are_independent(fixture_root):
     assert group[2].step(None)[3]["admissible"] == starts[2][1]["admissible"]
     for action in actions:
         _, reward, _, info2 = group[2].step(action)
-    assert info2["won"] and reward == 10.0
+    assert info2["won"] and reward == 1.0
 
 
 @needs_alfworld
@@ -1235,14 +1236,14 @@ def test_env_workers_play_exactly_like_this_process(fixture_root, tiny, monkeypa
             suite = R.TaskSuite(cfg)
         turn[0] = 0
         try:
-            samples, episodes, _ = R.rollout(model, tok, suite, games, cfg, group_size=2, policy_skills=False,
-                                             teacher_skills=False, temperature=1.0)
+            samples, episodes, _ = R.rollout(model, tok, suite, games, cfg, group_size=2, skills_in_prompt=False,
+                                             with_teacher_prompts=False, temperature=1.0)
             if workers:
                 assert [e.env.worker for e in episodes] == [g % workers for g in range(len(games)) for _ in range(2)]
                 suite.workers.processes[1].kill()
                 suite.workers.processes[1].join()
                 with pytest.raises(RuntimeError, match=r"worker 1 died .*--resume"):
-                    R.env_calls([(e.env, "reset", ()) for e in episodes])
+                    R.alfworld_env.env_calls([(e.env, "reset", ()) for e in episodes])
                 with pytest.raises(RuntimeError, match="unusable"):  # never a stale answer
                     episodes[0].env.reset()
         finally:
@@ -1296,7 +1297,7 @@ def test_real_game_expert_replay_wins(record):
         obs, reward, done, info = env.step(action)
         last = k == len(actions) - 1
         assert info["won"] is last and done is last and info["error"] is None
-    assert reward == 10.0 and obs == record["final_feedback"]
+    assert reward == 1.0 and obs == record["final_feedback"]
     env.close()
 
 
@@ -1759,9 +1760,9 @@ def test_non_finite_loss_skips_the_optimizer_step(tiny):
     model, tok = tiny
     cfg = small_cfg(env="alfworld", entropy_coef=0.0)  # also: a zero coefficient skips the entropy
     torch.manual_seed(0)
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2, policy_skills=False,
-                              teacher_skills=False, temperature=1.0)
-    old = R.score_samples(model, samples, cfg)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=False, temperature=1.0)
+    old = R.response_logprobs(model, samples, cfg)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     poisoned = [torch.full((len(s.response_ids),), float("nan")) for s in samples]
@@ -1788,24 +1789,27 @@ def test_tiny_tokenizer_saves_and_reloads_identically(tiny, tmp_path):
 def test_every_metric_key_is_in_the_readme_glossary(tmp_path):
     _, metrics, _ = run_cli(tmp_path, "glossary", "--env", "webshop", "--iterations", "3")
     keys = {key for m in metrics for key in m}
-    glossary = (Path(__file__).parent / "README.md").read_text().split("## Metrics glossary")[1]
+    glossary = (Path(__file__).parent / "docs" / "metrics.md").read_text()
     missing = sorted(k for k in keys if f"`{k}`" not in glossary)
-    assert not missing, f"metrics.jsonl keys missing from the README glossary: {missing}"
+    assert not missing, f"metrics.jsonl keys missing from docs/metrics.md: {missing}"
 
 
-def test_readme_paper_to_code_map_line_ranges_are_true():
+def test_readme_code_map_names_real_code_and_the_method_sits_above_the_banner():
+    # The README's paper -> code map names each function with its section; sections 1-6 are the
+    # method, which must be defined above the plumbing banner (a reader who stops there has it all).
     import ast
     import re
-    tree = ast.parse((Path(__file__).parent / "retireopd.py").read_text())
-    spans = {n.name: (n.lineno, n.end_lineno) for n in tree.body
-             if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    readme = (Path(__file__).parent / "README.md").read_text()
-    table = readme.split("## Paper → code map")[1].split("\n## ")[0]
-    rows = re.findall(r"`(\w+)` \| L(\d+)–L(\d+) \|", table)
-    assert len(rows) >= 15
-    wrong = [f"{name}: README L{a}–L{b}, code L{spans[name][0]}–L{spans[name][1]}"
-             for name, a, b in rows if spans.get(name) != (int(a), int(b))]
-    assert not wrong, "update the README's paper → code map: " + "; ".join(wrong)
+    source = (Path(__file__).parent / "retireopd.py").read_text()
+    banner = next(n for n, line in enumerate(source.splitlines(), 1) if line.startswith("# Everything below is plumbing"))
+    defined = {getattr(node, "name", None) or ast.unparse(node.targets[0]): node.lineno
+               for node in ast.parse(source).body if hasattr(node, "name") or isinstance(node, ast.Assign)}
+    table = (Path(__file__).parent / "README.md").read_text().split("## Paper → code map")[1].split("\n## ")[0]
+    rows = re.findall(r"\| ((?:`\w+`(?:, )?)+) \((\d+)", table)
+    assert len(rows) >= 20
+    for names, section in rows:
+        for name in re.findall(r"`(\w+)`", names):
+            assert name in defined, f"the README's code map names {name}, which retireopd.py does not define"
+            assert (defined[name] < banner) == (int(section) <= 6), f"{name} (section {section}) is on the wrong side"
 
 
 def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, capsys):
@@ -1875,7 +1879,7 @@ def test_memory_estimate_counts_the_prefill_and_the_optimizer_temporaries(tmp_pa
     assert cuda["peak_stage"] == "rollout" and rollout > cuda["activations"] + cuda["logits"]
     assert cuda["total"] == round(cuda["policy_and_adam"] + cuda["frozen_models"] + rollout, 2)
     run = R.Run(R.dataclasses.replace(cfg, run_dir=str(tmp_path)))
-    R.print_memory_estimate(model, cfg, torch.device("cpu"), run, "phase 1", n_frozen=1, skill_tokens=1024)
+    R.print_memory_estimate(model, cfg, run, "phase 1", R.FrozenModels(reference=model), skill_tokens=1024)
     (event,) = R.read_jsonl(tmp_path / "events.jsonl")
     assert event["event"] == "memory_estimate" and event["gib"] == cpu
     text = R.format_memory_estimate(cpu)
@@ -1903,8 +1907,8 @@ def _student_phase(tiny, tmp_path, teacher, retirement=None, iterations=1, batch
     model, tok = tiny
     cfg = small_cfg(env="alfworld", iterations=iterations, batch_tasks=batch_tasks, group_size=2,
                     eval_every=5, save_every=0, kl_coef=0.0, run_dir=str(tmp_path))
-    frozen = {"teacher": teacher, "reference": None}
-    R.train_phase("student", copy.deepcopy(model), tok, FakeSuite(), cfg, R.Run(cfg), policy_skills=False,
+    frozen = R.FrozenModels(teacher=teacher)
+    R.train_phase("student", copy.deepcopy(model), tok, FakeSuite(), cfg, R.Run(cfg), skills_in_prompt=False,
                   frozen=frozen, retirement=retirement)
     return frozen, R.read_jsonl(tmp_path / "metrics.jsonl")
 
@@ -1916,7 +1920,7 @@ def test_teacher_is_freed_at_retirement(tiny, tmp_path):
     frozen, _ = _student_phase(tiny, tmp_path, teacher, retirement, iterations=3)
     del teacher
     gc.collect()
-    assert retirement.retired and "teacher" not in frozen and alive() is None
+    assert retirement.retired and frozen.teacher is None and alive() is None
 
 
 def test_pipeline_teacher_scores_the_skill_prompt(tiny, tmp_path, monkeypatch):
@@ -1994,7 +1998,7 @@ def test_old_logprobs_match_sampling_logits_for_mixed_prompt_lengths(tiny, monke
     atol = 1e-4 if numerics == "fp32" else 5e-3
     for b, (ids, *_) in enumerate(responses):
         expected = torch.stack([torch.log_softmax(step[b], -1)[t] for step, t in zip(captured["logits"], ids)])
-        assert torch.allclose(R.response_logprobs(model, [prompts[b]], [ids], small_cfg()), expected, atol=atol)
+        assert torch.allclose(R.sequence_logprobs(model, [prompts[b]], [ids], small_cfg()), expected, atol=atol)
 
 
 def test_generate_uses_the_given_temperature(tiny):
@@ -2045,7 +2049,7 @@ def test_recorded_logprobs_are_the_scoring_passes_at_temperature_one(tiny):
         torch.manual_seed(3)
         responses = R.generate(model, tok, prompts, 8, temperature, prefill_batch=prefill_batch)
         samples = [R.TurnSample(0, b, p, r.ids, False, sample_logp=r.logp) for b, (p, r) in enumerate(zip(prompts, responses))]
-        gap = R.sample_logp_gap(samples, R.score_samples(model, samples, cfg))
+        gap = R.sample_logp_gap(samples, R.response_logprobs(model, samples, cfg))
         assert sum(len(r.ids) for r in responses) > len(prompts)  # several tokens per answer compared
         assert gap["sample_logp_gap_max"] < 1e-4 and gap["sample_logp_gap_mean"] <= gap["sample_logp_gap_max"]
     # hand-made: gaps 0.5 and 0.25 on one sample's two tokens, 0 on the other's
@@ -2073,7 +2077,7 @@ def test_turn_scores_cut_answers_and_episode_reward_on_every_turn(tiny, monkeypa
         ("garbage", False),                                        # malformed
         ("<think>x</think><action>open box 1</action><|im_end|>", False)]))  # wins
     samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], small_cfg(env="alfworld", max_turns=5),
-                                         group_size=2, policy_skills=False, teacher_skills=False, temperature=1.0)
+                                         group_size=2, skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
     assert all(e.won and e.turns == 3 for e in episodes)
     lengths = [len(tok(text)["input_ids"]) for text in ("<think>x</think><action>open box 1</action>", "garbage",
                                                        "<think>x</think><action>open box 1</action><|im_end|>")]
@@ -2084,7 +2088,7 @@ def test_turn_scores_cut_answers_and_episode_reward_on_every_turn(tiny, monkeypa
 
 def test_prompt_shows_only_the_last_h_pairs(tiny):
     model, tok = tiny
-    episode = R.Episode(env=None, group=0, task="t", observation="now", admissible=["look"],
+    episode = R.EpisodeState(env=None, group=0, task="t", observation="now", admissible=["look"],
                         history=[("obsA", "a"), ("obsB", "b"), ("obsC", "c")])
     student, _, _ = R.episode_prompts(tok, episode, small_cfg(history=2), "")
     text = tok.decode(student)
@@ -2131,9 +2135,9 @@ def _one_student_update(tiny, tmp_path, monkeypatch, **phase):
     cfg = small_cfg(env="alfworld", iterations=1, batch_tasks=1, group_size=2, eval_every=1, save_every=0,
                     opd_mini_batch=3, mini_batch=5, run_dir=str(tmp_path))
     teacher = copy.deepcopy(model)
-    R.train_phase("student", copy.deepcopy(model), tok, FakeSuite(), cfg, R.Run(cfg), policy_skills=False,
-                  frozen={"teacher": teacher, "reference": None}, **phase)
-    teacher_logp = R.score_samples(teacher, captured["samples"], cfg, use_teacher_prompt=True)
+    R.train_phase("student", copy.deepcopy(model), tok, FakeSuite(), cfg, R.Run(cfg), skills_in_prompt=False,
+                  frozen=R.FrozenModels(teacher=teacher), **phase)
+    teacher_logp = R.response_logprobs(teacher, captured["samples"], cfg, teacher_prompt=True)
     grpo = R.grpo_advantages(torch.tensor([s.score for s in captured["samples"]]),
                              torch.tensor([s.group for s in captured["samples"]]))
     return captured, teacher_logp, grpo
@@ -2180,7 +2184,7 @@ def test_zero_kl_coef_never_loads_the_reference_and_phase_two_with_a_teacher_has
 
 def test_skills_in_phase_one_prompts_and_evals_and_S_T_over_last_window(tmp_path, monkeypatch):
     seen, real_rollout = [], R.rollout
-    monkeypatch.setattr(R, "rollout", lambda *a, **k: (seen.append((k["desc"], k["policy_skills"], k["teacher_skills"])),
+    monkeypatch.setattr(R, "rollout", lambda *a, **k: (seen.append((k["desc"], k["skills_in_prompt"], k["with_teacher_prompts"])),
                                                        real_rollout(*a, **k))[1])
     real_phase = R.train_phase
     monkeypatch.setattr(R, "train_phase", lambda phase, *a, **k: (real_phase(phase, *a, **k), [1.0, 1.0, 0.0])[1]
@@ -2209,7 +2213,7 @@ def test_lm_head_sees_at_most_chunk_rows_and_only_response_positions(tiny):
     hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
     try:
         with torch.no_grad():
-            R.response_logprobs(model, [R.encode_prompt(tok, "hi " * 30)], [[5, 6, 7]], small_cfg(logprob_chunk=2))
+            R.sequence_logprobs(model, [R.encode_prompt(tok, "hi " * 30)], [[5, 6, 7]], small_cfg(logprob_chunk=2))
     finally:
         hook.remove()
     assert rows == [2, 1]
@@ -2217,7 +2221,7 @@ def test_lm_head_sees_at_most_chunk_rows_and_only_response_positions(tiny):
 
 def test_teacher_prompt_is_the_truncated_student_prompt_plus_skills(tiny):
     model, tok = tiny
-    episode = R.Episode(env=None, group=0, task="t", observation="long observation " * 200, admissible=["look"],
+    episode = R.EpisodeState(env=None, group=0, task="t", observation="long observation " * 200, admissible=["look"],
                         history=[("old observation " * 50, "a"), ("obsB", "b")])
     cfg = small_cfg(max_prompt_tokens=300)
     skills = R.skill_text("alfworld", "pick_and_place_simple")
@@ -2233,9 +2237,9 @@ def test_finite_loss_with_overflowing_gradient_is_skipped(tiny):
     model = copy.deepcopy(model)
     cfg = small_cfg(env="alfworld", entropy_coef=0.0, kl_coef=0.0)
     torch.manual_seed(0)
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2, policy_skills=False,
-                              teacher_skills=False, temperature=1.0)
-    old = R.score_samples(model, samples, cfg)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=False, temperature=1.0)
+    old = R.response_logprobs(model, samples, cfg)
     before = [p.detach().clone() for p in model.parameters()]
     huge = [torch.full((len(s.response_ids),), 1e30) for s in samples]
     out = R.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), samples, old, huge, cfg, mini_batch=4)
@@ -2250,19 +2254,19 @@ def test_finite_loss_with_overflowing_gradient_is_skipped(tiny):
 
 def test_kitchen_rules_one_step_at_a_time():
     dorl = 1 * 1000 + 3  # sorted dishes: brask, dorl, ...; dorl is salted, then chilled
-    episode = R.KitchenEpisode(dorl, 10.0)
+    episode = R.KitchenEnv(dorl)
     observation, info = episode.reset()
     assert (info["task"], info["task_type"]) == ("cook a dorl", "dorl")
     assert sorted(info["admissible"]) == sorted(f"{i} the dorl" for i in R.KITCHEN_INGREDIENTS)
-    assert R.KitchenEpisode(dorl, 10.0).reset()[1]["admissible"] == info["admissible"]  # one order per task
-    assert any(R.KitchenEpisode(1000 + v, 10.0).reset()[1]["admissible"] != info["admissible"] for v in range(8))
+    assert R.KitchenEnv(dorl).reset()[1]["admissible"] == info["admissible"]  # one order per task
+    assert any(R.KitchenEnv(1000 + v).reset()[1]["admissible"] != info["admissible"] for v in range(8))
     assert episode.step("eat the dorl")[:3] == ("Nothing happens.", 0.0, False)  # inadmissible: nothing
     observation, reward, done, info = episode.step("salt the dorl")
     assert (reward, done, observation) == (0.0, False, "The dorl is seasoned with salt.")
     assert sorted(info["admissible"]) == sorted(f"{m} the dorl" for m in R.KITCHEN_METHODS)
     observation, reward, done, info = episode.step("chill the dorl")
-    assert (reward, done, info["won"]) == (10.0, True, True)
-    ruined = R.KitchenEpisode(dorl, 10.0)
+    assert (reward, done, info["won"]) == (1.0, True, True)
+    ruined = R.KitchenEnv(dorl)
     ruined.reset()
     observation, reward, done, info = ruined.step("sugar the dorl")  # a wrong admissible choice
     assert (reward, done, info["won"], observation) == (0.0, True, False, "The dorl is ruined.")
@@ -2272,7 +2276,7 @@ def test_kitchen_skills_are_decisive_and_the_student_prompt_says_nothing():
     assert len(set(R.KITCHEN_RECIPES.values())) == len(R.KITCHEN_RECIPES)  # ignoring the dish cannot win all
     for k, (dish, (ingredient, method)) in enumerate(sorted(R.KITCHEN_RECIPES.items())):
         assert f"{ingredient.capitalize()} it, then {method.capitalize()} it" in R.skill_text("kitchen", dish)
-        observation, info = R.KitchenEpisode(k * 1000, 10.0).reset()
+        observation, info = R.KitchenEnv(k * 1000).reset()
         student = R.build_user_message("kitchen", info["task"], 0, [], observation, info["admissible"])
         assert ingredient.capitalize() not in student and method.capitalize() not in student
 
@@ -2291,7 +2295,7 @@ def test_warm_start_teaches_reading_and_other_dishes_never_the_demo_recipes():
     for _ in range(4000):
         kind = rng.choice(("short", "skills", "known", "unknown"))
         message, answer = R.warm_start_example(rng, kind)
-        action = R.parse_action(answer)
+        action = R.action_from_answer(answer)
         if kind in ("short", "skills"):  # reading: the answer is what the recipe in the prompt says
             named = re.search(r"Recipe for a \w+: (\w+) it", message).group(1).lower()
             assert action.split()[0] == named
@@ -2305,8 +2309,8 @@ def test_warm_start_teaches_reading_and_other_dishes_never_the_demo_recipes():
 
 
 def demo_episodes(model, tok, suite, tasks, cfg):
-    _, episodes, _ = R.rollout(model, tok, suite, tasks, cfg, group_size=1, policy_skills=False,
-                               teacher_skills=False, temperature=cfg.eval_temperature)
+    _, episodes, _ = R.rollout(model, tok, suite, tasks, cfg, group_size=1, skills_in_prompt=False,
+                               with_teacher_prompts=False, temperature=cfg.eval_temperature)
     return sum(e.won for e in episodes) / len(episodes)
 
 
@@ -2342,8 +2346,8 @@ def test_grpo_learns_the_kitchen_and_fails_with_the_advantage_sign_flipped(tiny_
     suite.train = [t for t in suite.train if t // 1000 in (0, 1)]  # brask and dorl
     panel = [d * 1000 + 500 + v for d in (0, 1) for v in range(4)]
     before = demo_episodes(model, tok, suite, panel, cfg)
-    R.train_phase("student", model, tok, suite, cfg, R.Run(cfg), policy_skills=False,
-                  frozen={"teacher": None, "reference": None})
+    R.train_phase("student", model, tok, suite, cfg, R.Run(cfg), skills_in_prompt=False,
+                  frozen=R.FrozenModels())
     after = demo_episodes(model, tok, suite, panel, cfg)
     print(f"GRPO on two dishes, advantage sign {sign:+d}: validation {before} -> {after}")
     if sign == 1:  # measured: 0.0 -> 0.5 (and 0.125 -> 0.0 with the sign flipped)
