@@ -212,6 +212,40 @@ def test_policy_loss_masked_with_reference_kl_entropy_and_token_mean_over_miniba
     assert float(loss0) == 0.0 and "kl_ref" not in stats0 and "entropy" not in stats0
 
 
+def test_turn_scores_hand_computed():
+    # R_i = 10 for a won episode, 0 otherwise; each malformed turn loses 0.1 on its own turn only
+    assert R.turn_scores(True, [False, True, False]) == pytest.approx([10.0, 9.9, 10.0])
+    assert R.turn_scores(False, [True, False]) == pytest.approx([-0.1, 0.0])
+    assert R.turn_scores(True, [True], success_reward=1.0, penalty=0.5) == pytest.approx([0.5])
+    assert R.turn_scores(True, []) == []
+
+
+def test_combined_loss_hand_computed_value_gradient_and_terms():
+    # ratio 1 (logp = old), A = [2, 0] over 2 tokens: L_PPO = mean(-A) = -1.
+    # teacher = logp + [ln 2, 0]: k3 = [e^{ln 2} - 1 - ln 2, 0] = [0.306853, 0], rho = 1: L_OPD = 0.153426.
+    # lambda = 0.1: L = -1 + 0.0153426. Gradient: d L_PPO = -A/2 = [-1, 0]; d(lambda rho k3)/dl =
+    # lambda rho (l - l^T)/2 = [0.1 * -ln 2 / 2, 0] = [-0.034657, 0].
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    old, mask, adv = logp.detach().clone(), torch.ones(2), torch.tensor([2.0, 0.0])
+    teacher = old + torch.tensor([math.log(2.0), 0.0])
+    loss, stats = R.combined_loss(logp, old, mask, advantages=adv, teacher_logp=teacher, opd_coef=0.1)
+    assert float(loss.detach()) == pytest.approx(-1 + 0.1 * 0.3068528 / 2, abs=1e-6)
+    assert stats["pg_loss"] == pytest.approx(-1.0) and stats["opd_loss"] == pytest.approx(0.3068528 / 2, abs=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, torch.tensor([-1 - 0.1 * math.log(2.0) / 2, 0.0]), atol=1e-6)
+    # the terms alone: lambda = 0 (or no teacher) is L_PPO; no advantages (--algo opd) is lambda L_OPD
+    ppo_only, ppo_stats = R.combined_loss(logp, old, mask, advantages=adv, teacher_logp=teacher, opd_coef=0.0)
+    assert float(ppo_only.detach()) == pytest.approx(-1.0) and "opd_loss" not in ppo_stats
+    assert float(R.combined_loss(logp, old, mask, advantages=adv)[0].detach()) == pytest.approx(-1.0)
+    opd_only, opd_stats = R.combined_loss(logp, old, mask, teacher_logp=teacher, opd_coef=0.1)
+    assert float(opd_only.detach()) == pytest.approx(0.1 * 0.3068528 / 2, abs=1e-7) and "pg_loss" not in opd_stats
+
+
+def test_teacher_success_is_the_mean_of_the_last_two_validations():
+    assert R.teacher_success_rate([0.1, 0.5, 0.75]) == pytest.approx(0.625)  # (0.5 + 0.75) / 2
+    assert R.teacher_success_rate([0.4]) == pytest.approx(0.4)  # one validation only: that one
+
+
 # ==================================================================================================
 # 5. The retirement rule (the authors' state machine)
 # ==================================================================================================
