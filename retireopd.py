@@ -2673,7 +2673,7 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return int(mask.sum())
 
-    def timed(name, fn):
+    def time_stage(name, fn):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -2686,19 +2686,19 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
     advantages = [torch.ones(n_new) for _ in samples]
     for _ in range(repeats):
         model.eval()
-        timed("ours_generate", lambda: sum(len(r.ids) for r in generate(model, tokenizer, prompts, n_new, 1.0,
-                                                                         prefill_batch=cfg.prefill_batch)))
-        timed("plain_generate", plain_generate)
-        timed("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg,
-                                                                  mini_batch=cfg.mini_batch)["trained_tokens"])
-        timed("plain_update", plain_update)
+        time_stage("ours_generate", lambda: sum(len(r.ids) for r in generate(model, tokenizer, prompts, n_new, 1.0,
+                                                                              prefill_batch=cfg.prefill_batch)))
+        time_stage("plain_generate", plain_generate)
+        time_stage("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg,
+                                                     mini_batch=cfg.mini_batch)["trained_tokens"])
+        time_stage("plain_update", plain_update)
         for name, fn in (("ours_logprob", lambda: response_logprobs(model, samples, cfg)),
                          ("plain_logprob", lambda: plain_logprobs(*plain_batch()))):
             gc.collect()
             base = current_memory_gb(device)
             reset_peak_memory(device)
             with torch.no_grad():
-                timed(name, lambda: (fn(), len(samples) * n_new)[1])
+                time_stage(name, lambda: (fn(), len(samples) * n_new)[1])
             memory[name].append(peak_memory_gb(device) - base)
     median = {name: statistics.median(t for t, _ in runs) for name, runs in timings.items()}
     peak = {name: statistics.median(v) for name, v in memory.items()}
@@ -2724,6 +2724,25 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
 # ==================================================================================================
 
 
+def print_benchmark(report: dict, run_dir: Path) -> None:
+    """Print the benchmark's table (tokens/s, medians) and write its report to RUN_DIR/benchmark.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
+    speed = report["tokens_per_s"]
+    print(f"benchmark of {report['model']} on {report['device']} (tokens/s, medians; "
+          f"also in {run_dir / 'benchmark.json'})\n"
+          f"  {'stage':<10}{'ours':>12}{'plain':>12}{'ours/plain':>12}")
+    for stage, ratio in (("generate", "rollout_speed_ratio"), ("update", "update_speed_ratio"),
+                         ("logprob", "logprob_speed_ratio")):
+        print(f"  {stage:<10}{speed['ours_' + stage]:>12.0f}{speed['plain_' + stage]:>12.0f}"
+              f"{report[ratio]:>12.2f}")
+    peak, ratio = report["logprob_peak_gb"], report["logprob_memory_ratio"]
+    print(f"  log-prob peak memory (GiB): ours {peak['ours_logprob']}, plain {peak['plain_logprob']}, "
+          + (f"ratio {ratio}" if ratio is not None else
+             f"no ratio: a peak below {MEASURABLE_PEAK_GB} GiB is too small to measure (use a model with "
+             "the real vocabulary, e.g. random:small-vocab151k)"))
+
+
 def main(argv: Optional[list] = None) -> Optional[Path]:
     args = vars(build_parser().parse_args(argv))
     resume_dir, plot_dir, compare = args.pop("resume"), args.pop("plot"), args.pop("compare")
@@ -2740,22 +2759,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         raise SystemExit(f"retireopd: {problem}")
     check_run_folder(cfg.run_dir, resuming=bool(resume_dir))
     if run_benchmark:
-        report = benchmark(cfg)
-        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run_dir) / "benchmark.json").write_text(json.dumps(report, indent=2))
-        speed = report["tokens_per_s"]
-        print(f"benchmark of {report['model']} on {report['device']} (tokens/s, medians; "
-              f"also in {Path(cfg.run_dir) / 'benchmark.json'})\n"
-              f"  {'stage':<10}{'ours':>12}{'plain':>12}{'ours/plain':>12}")
-        for stage, ratio in (("generate", "rollout_speed_ratio"), ("update", "update_speed_ratio"),
-                             ("logprob", "logprob_speed_ratio")):
-            print(f"  {stage:<10}{speed['ours_' + stage]:>12.0f}{speed['plain_' + stage]:>12.0f}"
-                  f"{report[ratio]:>12.2f}")
-        peak, ratio = report["logprob_peak_gb"], report["logprob_memory_ratio"]
-        print(f"  log-prob peak memory (GiB): ours {peak['ours_logprob']}, plain {peak['plain_logprob']}, "
-              + (f"ratio {ratio}" if ratio is not None else
-                 f"no ratio: a peak below {MEASURABLE_PEAK_GB} GiB is too small to measure (use a model with "
-                 "the real vocabulary, e.g. random:small-vocab151k)"))
+        print_benchmark(benchmark(cfg), Path(cfg.run_dir))
         return Path(cfg.run_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
