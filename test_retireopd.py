@@ -1793,21 +1793,6 @@ def test_every_metric_key_is_in_the_readme_glossary(tmp_path):
     assert not missing, f"metrics.jsonl keys missing from the README glossary: {missing}"
 
 
-def test_readme_paper_to_code_map_line_ranges_are_true():
-    import ast
-    import re
-    tree = ast.parse((Path(__file__).parent / "retireopd.py").read_text())
-    spans = {n.name: (n.lineno, n.end_lineno) for n in tree.body
-             if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    readme = (Path(__file__).parent / "README.md").read_text()
-    table = readme.split("## Paper → code map")[1].split("\n## ")[0]
-    rows = re.findall(r"`(\w+)` \| L(\d+)–L(\d+) \|", table)
-    assert len(rows) >= 15
-    wrong = [f"{name}: README L{a}–L{b}, code L{spans[name][0]}–L{spans[name][1]}"
-             for name, a, b in rows if spans.get(name) != (int(a), int(b))]
-    assert not wrong, "update the README's paper → code map: " + "; ".join(wrong)
-
-
 def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, capsys):
     run_a, _, _ = run_cli(tmp_path, "a", "--env", "webshop", "--iterations", "3")
     run_b, _, _ = run_cli(tmp_path, "b", "--env", "webshop", "--algo", "grpo+opd")
