@@ -258,8 +258,8 @@ def test_rule_rising_gap_with_competence_retires_at_the_second_judged_block():
     assert records[3]["competence"] == pytest.approx(0.9)
     assert state.retired and state.retired_at == 4
     # the latch: the gap collapses and success falls, the teacher stays retired
-    later = drive(state, [0.1, 0.1], {1: 0.0})
-    assert state.retired and state.retired_at == 4 and later
+    drive(state, [0.1, 0.1], {1: 0.0})
+    assert state.retired and state.retired_at == 4
 
 
 def test_rule_falling_gap_does_not_retire_and_competence_uses_the_last_two_validations():
@@ -1828,10 +1828,14 @@ def test_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     # the tiny model's log-prob peaks are noise on a CPU (they were once printed as a ratio of -183105)
     assert report["logprob_memory_ratio"] is None and "too small to measure" in capsys.readouterr().out
     assert report["sequences"] == 2 and report["new_tokens"] == 4
-    for key in ("rollout_speed_ratio", "update_speed_ratio", "logprob_speed_ratio"):
-        assert report[key] > 0  # measured figures, not asserted targets: timing belongs to the benchmark
     assert set(report["tokens_per_s"]) == {f"{who}_{stage}" for who in ("ours", "plain")
                                            for stage in ("generate", "update", "logprob")}
+    # measured figures, not asserted targets; each ratio is ours / plain in tokens per second
+    # (log-probs: both score the same tokens, so also plain time / ours)
+    speed = report["tokens_per_s"]
+    for stage, key in (("generate", "rollout_speed_ratio"), ("update", "update_speed_ratio"),
+                       ("logprob", "logprob_speed_ratio")):
+        assert report[key] == pytest.approx(speed[f"ours_{stage}"] / speed[f"plain_{stage}"], rel=1e-2, abs=1e-3), key
 
 
 def _meta_model(alias):
@@ -1916,7 +1920,8 @@ def test_pipeline_teacher_scores_the_skill_prompt(tiny, tmp_path, monkeypatch):
 def test_pipeline_logs_the_sampling_vs_scoring_logprob_gap(tiny, tmp_path):
     _, metrics = _student_phase(tiny, tmp_path, None)
     # CPU fp32: the cached decode and the full scoring forward agree to rounding
-    assert 0 <= metrics[0]["sample_logp_gap_mean"] <= metrics[0]["sample_logp_gap_max"] < 1e-4
+    # (mean <= max holds for any tensor; the values are checked by hand in the test below)
+    assert "sample_logp_gap_mean" in metrics[0] and metrics[0]["sample_logp_gap_max"] < 1e-4
 
 
 def test_pipeline_grpo_groups_are_tasks_not_episodes(tiny, tmp_path, monkeypatch):
@@ -2032,7 +2037,7 @@ def test_recorded_logprobs_are_the_scoring_passes_at_temperature_one(tiny):
         samples = [R.TurnSample(0, b, p, r.ids, False, sample_logp=r.logp) for b, (p, r) in enumerate(zip(prompts, responses))]
         gap = R.sample_logp_gap(samples, R.score_samples(model, samples, cfg))
         assert sum(len(r.ids) for r in responses) > len(prompts)  # several tokens per answer compared
-        assert gap["sample_logp_gap_max"] < 1e-4 and gap["sample_logp_gap_mean"] <= gap["sample_logp_gap_max"]
+        assert gap["sample_logp_gap_max"] < 1e-4
     # hand-made: gaps 0.5 and 0.25 on one sample's two tokens, 0 on the other's
     made = [R.TurnSample(0, 0, [1], [2, 3], False, sample_logp=torch.tensor([-1.0, -2.0])),
             R.TurnSample(0, 1, [1], [4], False, sample_logp=torch.tensor([-3.0]))]
