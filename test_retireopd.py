@@ -1,7 +1,16 @@
 """Tests of retireopd.py: the math on hand-made tensors, the token plumbing on the tiny model,
 the ALFWorld adapter on the real engine, and end-to-end runs of every algorithm.
 
-    python -m pytest -q            # the whole suite (webshop_env has its own test file)
+    python -m pytest -q                  # the whole suite (webshop_env has its own test file)
+    python -m pytest -q -m "not slow"    # the fast tier
+
+The fast tier is the math, the plumbing on the tiny model, the environments on fixture games
+and the built-in catalogue, the flag and folder checks, and a few runs of main() of a second or
+two (both phases once, phase 2 on each environment, a retirement by the rule): about 20 s on a
+2-core CPU. `slow` (registered in pytest.ini) marks the rest: the other end-to-end runs of the
+training script (the other --algo runs, resumes after a kill or a crash, plots, the benchmark),
+tests that start subprocesses, replays of the real ALFWorld games and of all WebShop golden
+goals, and the offline demo that must learn (minutes).
 
 Expected values are worked out by hand in the comments. Tests that read ../shared skip when it
 is absent.
@@ -678,8 +687,13 @@ def phases(metrics):
     return [(m["phase"], m["iteration"]) for m in metrics]
 
 
-@pytest.mark.parametrize("env", ["webshop", "alfworld"])
-@pytest.mark.parametrize("algo", ["retireopd", "grpo", "skill-grpo", "opd", "grpo+opd"])
+# in the fast tier: both phases once (retireopd on WebShop) and phase 2 alone on each environment
+FAST_RUNS = {("retireopd", "webshop"), ("grpo", "webshop"), ("grpo", "alfworld")}
+
+
+@pytest.mark.parametrize("algo,env", [
+    pytest.param(algo, env, id=f"{algo}-{env}", marks=() if (algo, env) in FAST_RUNS else pytest.mark.slow)
+    for env in ("webshop", "alfworld") for algo in ("retireopd", "grpo", "skill-grpo", "opd", "grpo+opd")])
 def test_every_algo_runs_to_completion(tmp_path, algo, env):
     # webshop: the built-in catalogue; alfworld: the fixture games, through the real engine
     run_dir, metrics, events = run_cli(tmp_path, algo, "--algo", algo, "--env", env)
@@ -730,6 +744,7 @@ def test_retireopd_retires_by_the_rule_then_trains_with_grpo_alone(tmp_path, mon
     assert json.loads((run_dir / "student" / "retireopd.json").read_text())["retired_at"] == 2
 
 
+@pytest.mark.slow
 def test_retire_at_n_is_a_fixed_schedule(tmp_path):
     _, metrics, events = run_cli(tmp_path, "fixed", "--env", "webshop", "--iterations", "4", "--retire-at", "3")
     (retirement,) = [e for e in events if e["event"] == "retirement"]
@@ -738,6 +753,7 @@ def test_retire_at_n_is_a_fixed_schedule(tmp_path):
     assert [m["teacher_active"] for m in students] == [True, True, True, False]
 
 
+@pytest.mark.slow
 def test_saved_teacher_is_reused_and_models_load_by_folder(tmp_path):
     first, _, _ = run_cli(tmp_path, "first", "--algo", "skill-grpo", "--env", "webshop")
     stored = json.loads((first / "teacher" / "retireopd.json").read_text())
@@ -1151,6 +1167,7 @@ def test_engine_exception_ends_episode_as_failure(fixture_root, tmp_path, monkey
     assert env3.step(_walkthrough(game)[0])[3]["error"] is None
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_memoised_engine_gives_identical_text(fixture_root, monkeypatch):
     argv = ["retireopd.py", "--model", "tiny"]
@@ -1203,6 +1220,7 @@ def test_group_members_are_independent(fixture_root):
     assert info2["won"] and reward == 10.0
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_env_workers_play_exactly_like_this_process(fixture_root, tiny, monkeypatch):
     """--env-workers: the same episodes, turn for turn, when worker processes own the games; a
@@ -1280,6 +1298,7 @@ def test_real_games_discovery():
     assert sorted(Counter(alfworld_task_type(g) for g in capped).values()) == [2] * 6
 
 
+@pytest.mark.slow
 @needs_real
 @pytest.mark.parametrize("record", REAL_GAMES, ids=[g["path"].split("/")[2] for g in REAL_GAMES])
 def test_real_game_expert_replay_wins(record):
@@ -1311,6 +1330,7 @@ def comparable(metrics):
     return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS) and "per_s" not in k} for m in metrics]
 
 
+@pytest.mark.slow
 def test_sigkill_in_phase_two_then_resume_loses_and_repeats_nothing(tmp_path):
     import subprocess
     import time as time_module
@@ -1381,6 +1401,7 @@ def folder_snapshot(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
     run_dir, _, _ = run_cli(tmp_path, "R", "--env", "webshop")
     before = folder_snapshot(run_dir)
@@ -1399,6 +1420,7 @@ def test_a_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
         R.main(QUICK + ["--env", "webshop", "--run-dir", str(legacy)])
 
 
+@pytest.mark.slow
 def test_a_resume_after_retirement_keeps_the_distilling_phase_protocol(tmp_path, monkeypatch):
     # phase 2 keeps --opd-mini-batch (and no KL) after its teacher is retired, also when a resume
     # finds the teacher retired and loads none. At most 2 x 2 x 2 = 8 turn-samples per iteration:
@@ -1445,6 +1467,7 @@ def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     assert folder_snapshot(run_dir) == before  # no second evaluation, no second `done`
 
 
+@pytest.mark.slow
 def test_a_crash_while_saving_the_teacher_then_resume_logs_each_line_once(tmp_path, monkeypatch):
     flags = ["--env", "webshop", "--algo", "skill-grpo"]
     reference, _, _ = run_cli(tmp_path, "reference", *flags)
@@ -1464,6 +1487,7 @@ def cut_in_half(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.slow
 def test_resume_sets_damaged_checkpoints_aside_and_drops_a_cut_last_log_line(tmp_path, monkeypatch, capsys):
     flags = ["--env", "webshop", "--algo", "grpo", "--iterations", "4", "--keep-checkpoints", "3"]
     reference, _, _ = run_cli(tmp_path, "reference", *flags)
@@ -1540,6 +1564,7 @@ def private_tmpfs_command(tmp_path, options, command):
     return [*wrapper, *command]
 
 
+@pytest.mark.slow
 def test_a_read_only_disk_is_a_one_line_error(tmp_path):
     import subprocess
     run_dir = tmp_path / "mnt" / "run"
@@ -1598,6 +1623,7 @@ Path(summary).write_text(json.dumps({"message": message, "left": left, "kept_who
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["tmpfs", "fsize"])
 def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_what_to_do(tmp_path, how):
     import subprocess
@@ -1624,6 +1650,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_what_to
     assert result["metrics"] == [["student", k] for k in range(3)]  # resumed, nothing twice
 
 
+@pytest.mark.slow
 def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
     import signal
     import subprocess
@@ -1728,6 +1755,7 @@ def test_model_problems_are_one_line_in_seconds_before_anything_is_written(tmp_p
     assert "is not in the Hugging Face cache" in message and "HF_HUB_OFFLINE is set" in message
 
 
+@pytest.mark.slow
 def test_hf_hub_offline_is_honoured_and_a_cached_model_loads_while_the_hub_is_unreachable(tiny, tmp_path):
     import subprocess
     import time as time_module
@@ -1785,6 +1813,7 @@ def test_tiny_tokenizer_saves_and_reloads_identically(tiny, tmp_path):
     assert reloaded.eos_token_id == tok.eos_token_id and reloaded.pad_token_id == tok.pad_token_id
 
 
+@pytest.mark.slow
 def test_every_metric_key_is_in_the_readme_glossary(tmp_path):
     _, metrics, _ = run_cli(tmp_path, "glossary", "--env", "webshop", "--iterations", "3")
     keys = {key for m in metrics for key in m}
@@ -1793,6 +1822,7 @@ def test_every_metric_key_is_in_the_readme_glossary(tmp_path):
     assert not missing, f"metrics.jsonl keys missing from the README glossary: {missing}"
 
 
+@pytest.mark.slow
 def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, capsys):
     run_a, _, _ = run_cli(tmp_path, "a", "--env", "webshop", "--iterations", "3")
     run_b, _, _ = run_cli(tmp_path, "b", "--env", "webshop", "--algo", "grpo+opd")
@@ -1805,6 +1835,7 @@ def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, 
     assert "pip install matplotlib" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_compare_is_titled_with_every_environment_and_lines_up_phase_two(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.figure
@@ -1821,6 +1852,7 @@ def test_compare_is_titled_with_every_environment_and_lines_up_phase_two(tmp_pat
     assert first_x == {"a, no skills (phase 2)": 3, "b, no skills (phase 2)": 3}
 
 
+@pytest.mark.slow
 def test_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     R.main(["--model", "tiny", "--benchmark", "--env", "webshop", "--batch-tasks", "1", "--group-size", "2",
             "--max-response-tokens", "4", "--run-dir", str(tmp_path)])
@@ -2096,6 +2128,7 @@ def test_truncate_logs_drops_every_log_line_after_the_checkpoint(tmp_path):
     assert [e["decided_after_iteration"] for e in R.read_jsonl(tmp_path / "events.jsonl")] == [0]
 
 
+@pytest.mark.slow
 def test_evaluation_does_not_change_the_training_trajectory(tmp_path):
     _, with_eval, _ = run_cli(tmp_path, "a", "--env", "webshop", "--algo", "grpo", "--window", "3", "--eval-every", "1")
     _, without, _ = run_cli(tmp_path, "b", "--env", "webshop", "--algo", "grpo", "--window", "3", "--eval-every", "2")
@@ -2155,6 +2188,7 @@ def test_grpo_plus_opd_gets_the_grpo_advantage_and_the_teacher_logprobs(tiny, tm
                                            + 0.01 * record["opd_loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_zero_kl_coef_never_loads_the_reference_and_phase_two_with_a_teacher_has_none(tmp_path, monkeypatch):
     loads, real = [], R.load_policy
     monkeypatch.setattr(R, "load_policy", lambda name, *a, **k: (loads.append(Path(name).name), real(name, *a, **k))[1])
@@ -2168,6 +2202,7 @@ def test_zero_kl_coef_never_loads_the_reference_and_phase_two_with_a_teacher_has
     assert all("kl_ref" not in m and "t_reference" not in m for m in metrics if m["phase"] == "student")
 
 
+@pytest.mark.slow
 def test_skills_in_phase_one_prompts_and_evals_and_S_T_over_last_window(tmp_path, monkeypatch):
     # every rollout: (phase, inside an evaluation?, policy_skills, teacher_skills)
     seen, now = [], {"phase": None, "evaluating": False}

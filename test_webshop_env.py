@@ -569,6 +569,7 @@ def test_golden_goal_facts(golden_shop):
     assert golden_shop.train_goal_indices == perm[500:]
 
 
+@pytest.mark.slow
 def test_golden_capped_goals(golden_shop):
     """A perfect purchase scores below 1 for exactly the 458 listed goals in faithful
     mode, and for none in fixed mode."""
