@@ -1,7 +1,16 @@
 """Tests of retireopd.py: the math on hand-made tensors, the token plumbing on the tiny model,
 the ALFWorld adapter on the real engine, and end-to-end runs of every algorithm.
 
-    python -m pytest -q            # the whole suite (webshop_env has its own test file)
+    python -m pytest -q                  # the whole suite (webshop_env has its own test file)
+    python -m pytest -q -m "not slow"    # the fast tier
+
+The fast tier is the math, the plumbing on the tiny model, the environments on fixture games
+and the built-in catalogue, the flag and folder checks, and a few runs of main() of a second or
+two (both phases once, phase 2 on each environment, a retirement by the rule): about 20 s on a
+2-core CPU. `slow` (registered in pytest.ini) marks the rest: the other end-to-end runs of the
+training script (the other --algo runs, resumes after a kill or a crash, plots, the benchmark),
+tests that start subprocesses, replays of the real ALFWorld games and of all WebShop golden
+goals, and the offline demo that must learn (minutes).
 
 Expected values are worked out by hand in the comments. Tests that read ../shared skip when it
 is absent.
@@ -292,8 +301,8 @@ def test_rule_rising_gap_with_competence_retires_at_the_second_judged_block():
     assert records[3]["competence"] == pytest.approx(0.9)
     assert state.retired and state.retired_at == 4
     # the latch: the gap collapses and success falls, the teacher stays retired
-    later = drive(state, [0.1, 0.1], {1: 0.0})
-    assert state.retired and state.retired_at == 4 and later
+    drive(state, [0.1, 0.1], {1: 0.0})
+    assert state.retired and state.retired_at == 4
 
 
 def test_rule_falling_gap_does_not_retire_and_competence_uses_the_last_two_validations():
@@ -413,7 +422,7 @@ def test_opd_expected_gradient_is_the_kl_gradient_and_naive_is_zero():
 # ==================================================================================================
 
 
-def test_parse_action_rules():
+def test_action_from_answer_rules():
     assert R.action_from_answer("<think>go</think><action>Go To Cabinet 1</action>") == "go to cabinet 1"
     assert R.action_from_answer("<think>a</think> <action> click[buy now] </action> trailing") == "click[buy now]"
     assert R.action_from_answer("<action>look</action>") is None  # no think pair
@@ -712,8 +721,13 @@ def phases(metrics):
     return [(m["phase"], m["iteration"]) for m in metrics]
 
 
-@pytest.mark.parametrize("env", ["webshop", "alfworld"])
-@pytest.mark.parametrize("algo", ["retireopd", "grpo", "skill-grpo", "opd", "grpo+opd"])
+# in the fast tier: both phases once (retireopd on WebShop) and phase 2 alone on each environment
+FAST_RUNS = {("retireopd", "webshop"), ("grpo", "webshop"), ("grpo", "alfworld")}
+
+
+@pytest.mark.parametrize("algo,env", [
+    pytest.param(algo, env, id=f"{algo}-{env}", marks=() if (algo, env) in FAST_RUNS else pytest.mark.slow)
+    for env in ("webshop", "alfworld") for algo in ("retireopd", "grpo", "skill-grpo", "opd", "grpo+opd")])
 def test_every_algo_runs_to_completion(tmp_path, algo, env):
     # webshop: the built-in catalogue; alfworld: the fixture games, through the real engine
     run_dir, metrics, events = run_cli(tmp_path, algo, "--algo", algo, "--env", env)
@@ -764,6 +778,7 @@ def test_retireopd_retires_by_the_rule_then_trains_with_grpo_alone(tmp_path, mon
     assert json.loads((run_dir / "student" / "retireopd.json").read_text())["retired_at"] == 2
 
 
+@pytest.mark.slow
 def test_retire_at_n_is_a_fixed_schedule(tmp_path):
     _, metrics, events = run_cli(tmp_path, "fixed", "--env", "webshop", "--iterations", "4", "--retire-at", "3")
     (retirement,) = [e for e in events if e["event"] == "retirement"]
@@ -772,6 +787,7 @@ def test_retire_at_n_is_a_fixed_schedule(tmp_path):
     assert [m["teacher_active"] for m in students] == [True, True, True, False]
 
 
+@pytest.mark.slow
 def test_saved_teacher_is_reused_and_models_load_by_folder(tmp_path):
     first, _, _ = run_cli(tmp_path, "first", "--algo", "skill-grpo", "--env", "webshop")
     stored = json.loads((first / "teacher" / "retireopd.json").read_text())
@@ -1186,6 +1202,7 @@ def test_engine_exception_ends_episode_as_failure(fixture_root, tmp_path, monkey
     assert env3.step(_walkthrough(game)[0])[3]["error"] is None
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_memoised_engine_gives_identical_text(fixture_root, monkeypatch):
     argv = ["retireopd.py", "--model", "tiny"]
@@ -1238,6 +1255,7 @@ def test_group_members_are_independent(fixture_root):
     assert info2["won"] and reward == 1.0
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_env_workers_play_exactly_like_this_process(fixture_root, tiny, monkeypatch):
     """--env-workers: the same episodes, turn for turn, when worker processes own the games; a
@@ -1315,6 +1333,7 @@ def test_real_games_discovery():
     assert sorted(Counter(alfworld_task_type(g) for g in capped).values()) == [2] * 6
 
 
+@pytest.mark.slow
 @needs_real
 @pytest.mark.parametrize("record", REAL_GAMES, ids=[g["path"].split("/")[2] for g in REAL_GAMES])
 def test_real_game_expert_replay_wins(record):
@@ -1346,6 +1365,7 @@ def comparable(metrics):
     return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS) and "per_s" not in k} for m in metrics]
 
 
+@pytest.mark.slow
 def test_sigkill_in_phase_two_then_resume_loses_and_repeats_nothing(tmp_path):
     import subprocess
     import time as time_module
@@ -1416,6 +1436,7 @@ def folder_snapshot(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
     run_dir, _, _ = run_cli(tmp_path, "R", "--env", "webshop")
     before = folder_snapshot(run_dir)
@@ -1434,6 +1455,7 @@ def test_a_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path):
         R.main(QUICK + ["--env", "webshop", "--run-dir", str(legacy)])
 
 
+@pytest.mark.slow
 def test_a_resume_after_retirement_keeps_the_distilling_phase_protocol(tmp_path, monkeypatch):
     # phase 2 keeps --opd-mini-batch (and no KL) after its teacher is retired, also when a resume
     # finds the teacher retired and loads none. At most 2 x 2 x 2 = 8 turn-samples per iteration:
@@ -1480,6 +1502,7 @@ def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     assert folder_snapshot(run_dir) == before  # no second evaluation, no second `done`
 
 
+@pytest.mark.slow
 def test_a_crash_while_saving_the_teacher_then_resume_logs_each_line_once(tmp_path, monkeypatch):
     flags = ["--env", "webshop", "--algo", "skill-grpo"]
     reference, _, _ = run_cli(tmp_path, "reference", *flags)
@@ -1499,6 +1522,7 @@ def cut_in_half(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.slow
 def test_resume_sets_damaged_checkpoints_aside_and_drops_a_cut_last_log_line(tmp_path, monkeypatch, capsys):
     flags = ["--env", "webshop", "--algo", "grpo", "--iterations", "4", "--keep-checkpoints", "3"]
     reference, _, _ = run_cli(tmp_path, "reference", *flags)
@@ -1575,6 +1599,7 @@ def private_tmpfs_command(tmp_path, options, command):
     return [*wrapper, *command]
 
 
+@pytest.mark.slow
 def test_a_read_only_disk_is_a_one_line_error(tmp_path):
     import subprocess
     run_dir = tmp_path / "mnt" / "run"
@@ -1633,6 +1658,7 @@ Path(summary).write_text(json.dumps({"message": message, "left": left, "kept_who
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["tmpfs", "fsize"])
 def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_what_to_do(tmp_path, how):
     import subprocess
@@ -1659,6 +1685,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_what_to
     assert result["metrics"] == [["student", k] for k in range(3)]  # resumed, nothing twice
 
 
+@pytest.mark.slow
 def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
     import signal
     import subprocess
@@ -1763,6 +1790,7 @@ def test_model_problems_are_one_line_in_seconds_before_anything_is_written(tmp_p
     assert "is not in the Hugging Face cache" in message and "HF_HUB_OFFLINE is set" in message
 
 
+@pytest.mark.slow
 def test_hf_hub_offline_is_honoured_and_a_cached_model_loads_while_the_hub_is_unreachable(tiny, tmp_path):
     import subprocess
     import time as time_module
@@ -1820,6 +1848,7 @@ def test_tiny_tokenizer_saves_and_reloads_identically(tiny, tmp_path):
     assert reloaded.eos_token_id == tok.eos_token_id and reloaded.pad_token_id == tok.pad_token_id
 
 
+@pytest.mark.slow
 def test_every_metric_key_is_in_the_readme_glossary(tmp_path):
     _, metrics, _ = run_cli(tmp_path, "glossary", "--env", "webshop", "--iterations", "3")
     keys = {key for m in metrics for key in m}
@@ -1846,6 +1875,7 @@ def test_readme_code_map_names_real_code_and_the_method_sits_above_the_banner():
             assert (defined[name] < banner) == (int(section) <= 6), f"{name} (section {section}) is on the wrong side"
 
 
+@pytest.mark.slow
 def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, capsys):
     run_a, _, _ = run_cli(tmp_path, "a", "--env", "webshop", "--iterations", "3")
     run_b, _, _ = run_cli(tmp_path, "b", "--env", "webshop", "--algo", "grpo+opd")
@@ -1858,6 +1888,7 @@ def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, 
     assert "pip install matplotlib" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_compare_is_titled_with_every_environment_and_lines_up_phase_two(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.figure
@@ -1874,6 +1905,7 @@ def test_compare_is_titled_with_every_environment_and_lines_up_phase_two(tmp_pat
     assert first_x == {"a, no skills (phase 2)": 3, "b, no skills (phase 2)": 3}
 
 
+@pytest.mark.slow
 def test_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     R.main(["--model", "tiny", "--benchmark", "--env", "webshop", "--batch-tasks", "1", "--group-size", "2",
             "--max-response-tokens", "4", "--run-dir", str(tmp_path)])
@@ -1881,10 +1913,14 @@ def test_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     # the tiny model's log-prob peaks are noise on a CPU (they were once printed as a ratio of -183105)
     assert report["logprob_memory_ratio"] is None and "too small to measure" in capsys.readouterr().out
     assert report["sequences"] == 2 and report["new_tokens"] == 4
-    for key in ("rollout_speed_ratio", "update_speed_ratio", "logprob_speed_ratio"):
-        assert report[key] > 0  # measured figures, not asserted targets: timing belongs to the benchmark
     assert set(report["tokens_per_s"]) == {f"{who}_{stage}" for who in ("ours", "plain")
                                            for stage in ("generate", "update", "logprob")}
+    # measured figures, not asserted targets; each ratio is ours / plain in tokens per second
+    # (log-probs: both score the same tokens, so also plain time / ours)
+    speed = report["tokens_per_s"]
+    for stage, key in (("generate", "rollout_speed_ratio"), ("update", "update_speed_ratio"),
+                       ("logprob", "logprob_speed_ratio")):
+        assert report[key] == pytest.approx(speed[f"ours_{stage}"] / speed[f"plain_{stage}"], rel=1e-2, abs=1e-3), key
 
 
 def _meta_model(alias):
@@ -1969,7 +2005,8 @@ def test_pipeline_teacher_scores_the_skill_prompt(tiny, tmp_path, monkeypatch):
 def test_pipeline_logs_the_sampling_vs_scoring_logprob_gap(tiny, tmp_path):
     _, metrics = _student_phase(tiny, tmp_path, None)
     # CPU fp32: the cached decode and the full scoring forward agree to rounding
-    assert 0 <= metrics[0]["sample_logp_gap_mean"] <= metrics[0]["sample_logp_gap_max"] < 1e-4
+    # (mean <= max holds for any tensor; the values are checked by hand in the test below)
+    assert "sample_logp_gap_mean" in metrics[0] and metrics[0]["sample_logp_gap_max"] < 1e-4
 
 
 def test_pipeline_grpo_groups_are_tasks_not_episodes(tiny, tmp_path, monkeypatch):
@@ -2085,7 +2122,7 @@ def test_recorded_logprobs_are_the_scoring_passes_at_temperature_one(tiny):
         samples = [R.TurnSample(0, b, p, r.ids, False, sample_logp=r.logp) for b, (p, r) in enumerate(zip(prompts, responses))]
         gap = R.sample_logp_gap(samples, R.response_logprobs(model, samples, cfg))
         assert sum(len(r.ids) for r in responses) > len(prompts)  # several tokens per answer compared
-        assert gap["sample_logp_gap_max"] < 1e-4 and gap["sample_logp_gap_mean"] <= gap["sample_logp_gap_max"]
+        assert gap["sample_logp_gap_max"] < 1e-4
     # hand-made: gaps 0.5 and 0.25 on one sample's two tokens, 0 on the other's
     made = [R.TurnSample(0, 0, [1], [2, 3], False, sample_logp=torch.tensor([-1.0, -2.0])),
             R.TurnSample(0, 1, [1], [4], False, sample_logp=torch.tensor([-3.0]))]
@@ -2144,6 +2181,7 @@ def test_truncate_logs_drops_every_log_line_after_the_checkpoint(tmp_path):
     assert [e["decided_after_iteration"] for e in R.read_jsonl(tmp_path / "events.jsonl")] == [0]
 
 
+@pytest.mark.slow
 def test_evaluation_does_not_change_the_training_trajectory(tmp_path):
     _, with_eval, _ = run_cli(tmp_path, "a", "--env", "webshop", "--algo", "grpo", "--window", "3", "--eval-every", "1")
     _, without, _ = run_cli(tmp_path, "b", "--env", "webshop", "--algo", "grpo", "--window", "3", "--eval-every", "2")
@@ -2203,6 +2241,7 @@ def test_grpo_plus_opd_gets_the_grpo_advantage_and_the_teacher_logprobs(tiny, tm
                                            + 0.01 * record["opd_loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_zero_kl_coef_never_loads_the_reference_and_phase_two_with_a_teacher_has_none(tmp_path, monkeypatch):
     loads, real = [], R.load_policy
     monkeypatch.setattr(R, "load_policy", lambda name, *a, **k: (loads.append(Path(name).name), real(name, *a, **k))[1])
@@ -2216,25 +2255,47 @@ def test_zero_kl_coef_never_loads_the_reference_and_phase_two_with_a_teacher_has
     assert all("kl_ref" not in m and "t_reference" not in m for m in metrics if m["phase"] == "student")
 
 
+@pytest.mark.slow
 def test_skills_in_phase_one_prompts_and_evals_and_S_T_over_last_window(tmp_path, monkeypatch):
-    seen, real_rollout = [], R.rollout
-    monkeypatch.setattr(R, "rollout", lambda *a, **k: (seen.append((k["desc"], k["skills_in_prompt"], k["with_teacher_prompts"])),
-                                                       real_rollout(*a, **k))[1])
-    real_phase = R.train_phase
-    monkeypatch.setattr(R, "train_phase", lambda phase, *a, **k: (real_phase(phase, *a, **k), [1.0, 1.0, 0.0])[1]
-                        if phase == "teacher" else real_phase(phase, *a, **k))
+    # every rollout: (phase, inside an evaluation?, skills_in_prompt, with_teacher_prompts)
+    seen, now = [], {"phase": None, "evaluating": False}
+    real_rollout, real_evaluate, real_phase = R.rollout, R.evaluate, R.train_phase
+
+    def rollout(*args, **kwargs):
+        seen.append((now["phase"], now["evaluating"], kwargs["skills_in_prompt"], kwargs["with_teacher_prompts"]))
+        return real_rollout(*args, **kwargs)
+
+    def evaluate(*args, **kwargs):
+        now["evaluating"] = True
+        try:
+            return real_evaluate(*args, **kwargs)
+        finally:
+            now["evaluating"] = False
+
+    def train_phase(phase, *args, **kwargs):
+        now["phase"] = phase
+        validations = real_phase(phase, *args, **kwargs)
+        # the teacher's validations as if it had learnt: S_T = mean of the last two = 0.75
+        # (all three: 0.583; the last: 1.0; --teacher-success: 0.5)
+        return [0.25, 0.5, 1.0] if phase == "teacher" else validations
+
+    monkeypatch.setattr(R, "rollout", rollout)
+    monkeypatch.setattr(R, "evaluate", evaluate)
+    monkeypatch.setattr(R, "train_phase", train_phase)
     trained, real_update = [], R.ppo_update
     monkeypatch.setattr(R, "ppo_update", lambda model, opt, samples, *a, **k: (
         trained.append("Skills for this task" in R.build_tiny_tokenizer().decode(samples[0].prompt_ids)),
         real_update(model, opt, samples, *a, **k))[1])
     run_dir, _, _ = run_cli(tmp_path, "skills", "--env", "webshop", "--window", "2")
     assert trained == [True] * 3 + [False] * 3          # phase 1 trains on s_t^T, phase 2 on s_t
-    assert all(p for d, p, _ in seen if d.startswith("teacher") and "rollout" in d)          # Skill-GRPO
-    assert all(not p and t for d, p, t in seen if d.startswith("student 0 rollout"))        # student + s_t^T
+    # Skill-GRPO: the teacher plays with its skills; the student plays without them, and its
+    # rollouts also build s_t^T for the teacher (active throughout: competence 0, never retired)
+    assert [(phase, p, t) for phase, evaluating, p, t in seen if not evaluating] == (
+        [("teacher", True, False)] * 3 + [("student", False, True)] * 3)
     evals = R.read_jsonl(run_dir / "eval.jsonl")
-    assert [e["skills"] for e in evals if e["phase"] == "student"] and \
-        not any(e["skills"] for e in evals if e["phase"] == "student")
-    assert json.loads((run_dir / "teacher" / "retireopd.json").read_text())["teacher_success"] == 0.5
+    assert {e["skills"] for e in evals if e["phase"] == "teacher"} == {True}
+    assert {e["skills"] for e in evals if e["phase"] == "student"} == {False}
+    assert json.loads((run_dir / "teacher" / "retireopd.json").read_text())["teacher_success"] == 0.75
 
 
 def test_lm_head_sees_at_most_chunk_rows_and_only_response_positions(tiny):

@@ -569,6 +569,7 @@ def test_golden_goal_facts(golden_shop):
     assert golden_shop.train_goal_indices == perm[500:]
 
 
+@pytest.mark.slow
 def test_golden_capped_goals(golden_shop):
     """A perfect purchase scores below 1 for exactly the 458 listed goals in faithful
     mode, and for none in fixed mode."""
@@ -611,8 +612,9 @@ def test_golden_search(golden_shop):
         exact += asins == golden["asins"] and scores == golden["raw_scores"]
     n = len(queries)
     assert n == 100
-    assert top10 / n >= 0.98 and top50_set / n >= 0.97
-    assert exact == n  # same order and the same float32 scores on every query (as the README says)
+    # same order and the same float32 scores on every query (as the README says); the looser
+    # counts only tell how far off a failing run is
+    assert exact == n, {"top10": top10, "top50_set": top50_set, "exact": exact, "of": n}
 
 
 def test_golden_episodes(golden_shop):
