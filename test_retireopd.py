@@ -1,5 +1,5 @@
 """Tests of retireopd.py: the math on hand-made tensors, the token plumbing on the tiny model,
-the ALFWorld adapter on the real engine, and end-to-end runs of every algorithm.
+alfworld_env.py on the real engine, and end-to-end runs of every algorithm.
 
     python -m pytest -q                  # the whole suite (webshop_env has its own test file)
     python -m pytest -q -m "not slow"    # the fast tier
