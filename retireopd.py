@@ -303,10 +303,9 @@ def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask
     return gap, float((k3(old_logp, teacher_logp) * mask).sum() / tokens)
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip: float = 0.2, dual_clip: float = 3.0,
-                ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
-                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip: float = 0.2, dual_clip: float = 3.0, ref_logp: Optional[torch.Tensor] = None,
+                kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
                 num_tokens: Optional[float] = None):
     """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
                                                                      (paper: the RL backbone)
@@ -569,8 +568,8 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
         close_episodes(episodes)
     for episode in episodes:  # r_{i,t}: every turn of an episode shares its outcome
         malformed = [sample.malformed for sample in episode.samples]
-        for sample, score in zip(episode.samples, turn_scores(episode.won, malformed, cfg.success_reward,
-                                                              cfg.malformed_penalty)):
+        scores = turn_scores(episode.won, malformed, cfg.success_reward, cfg.malformed_penalty)
+        for sample, score in zip(episode.samples, scores):
             sample.score = score
     return samples, episodes, meter.stats(episodes, samples, cfg)
 
@@ -598,8 +597,7 @@ def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = 
 
 def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Optional[list], cfg: Config, *,
                mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
-               teacher_logp: Optional[list] = None, opd_coef: float = 0.0,
-               rng: Optional[random.Random] = None) -> dict:
+               teacher_logp: Optional[list] = None, opd_coef: float = 0.0, rng: Optional[random.Random] = None) -> dict:
     """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch: its
     combined_loss is the token-mean over the whole mini-batch, accumulated over micro-batches of
     at most cfg.token_budget padded tokens. advantages[i]: (len(y_i),), None for pure OPD;
@@ -1867,7 +1865,7 @@ class Run:
 
     run_dir/run.json           which run the folder holds (its id; a new run refuses such a folder)
     run_dir/config.json        the resolved Config
-    run_dir/metrics.jsonl      one line per training iteration (README: glossary)
+    run_dir/metrics.jsonl      one line per training iteration (docs/metrics.md: what each key means)
     run_dir/events.jsonl       start, teacher ready, retirement, done
     run_dir/eval.jsonl         evaluations on the fixed panel, per task type
     run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
