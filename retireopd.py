@@ -221,7 +221,7 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 
     for group in torch.unique(group_ids):
         members = group_ids == group
         group_scores = scores[members].double()
-        if len(group_scores) > 1 and group_scores.max() > group_scores.min():
+        if group_scores.max() > group_scores.min():  # (a group of one has max = min)
             advantages[members] = (group_scores - group_scores.mean()) / (group_scores.std() + eps)
     return advantages.float()
 
