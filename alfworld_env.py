@@ -458,7 +458,7 @@ class AlfWorldWorkers:
 
 class RemoteAlfWorldEnv:
     """An AlfWorldEnv that lives in a worker process: the same reset/step/close, one call at a
-    time; env_calls batches the calls of many of them."""
+    time; retireopd.env_calls batches the calls of many of them."""
 
     def __init__(self, workers: AlfWorldWorkers, worker: int, gamefile, max_turns: int):
         self.workers, self.worker = workers, worker
@@ -480,28 +480,8 @@ class RemoteAlfWorldEnv:
         return self.call("close")
 
 
-def env_calls(calls: list) -> list:
-    """[(env, method, args)] -> their results, in order; an exception is returned in place of its
-    result, not raised. Envs in worker processes run in parallel; the others one by one."""
-    results, remote, local = [None] * len(calls), defaultdict(list), []
-    for k, (env, method, args) in enumerate(calls):
-        if isinstance(env, RemoteAlfWorldEnv):
-            remote[env.workers].append((k, (env.worker, env.env_id, env.spec, method, args)))
-        else:
-            local.append(k)
-    for workers, batch in remote.items():
-        for (k, _), result in zip(batch, workers.run([call for _, call in batch])):
-            results[k] = result
-    for k in local:
-        env, method, args = calls[k]
-        try:
-            results[k] = getattr(env, method)(*args)
-        except Exception as exc:
-            results[k] = exc
-    return results
-
 # -----------------------------------------------------------------------------
-# Evaluation panel and per-task-type success
+# Evaluation panels
 # -----------------------------------------------------------------------------
 
 def alfworld_eval_panel(data_root=None, splits=("valid_seen", "valid_unseen"), max_episodes=None):

@@ -54,12 +54,12 @@ class Algorithm(NamedTuple):
     (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol)."""
     teacher_phase: bool  # phase 1 runs (or --teacher reuses a saved teacher)
     student_phase: bool  # phase 2 runs
-    grpo_loss: bool  # phase 2 trains on environment reward: the PPO-clip GRPO loss
-    opd_loss: bool  # phase 2 distils from the frozen teacher: lambda * L_OPD
+    grpo: bool  # phase 2 trains on environment reward: the PPO-clip GRPO loss
+    opd: bool  # phase 2 distils from the frozen teacher: lambda * L_OPD
     retirement: Optional[str]  # "adaptive": the authors' rule (--retire-at N: a fixed schedule); None: never
 
 
-ALGORITHMS = {  # teacher_phase, student_phase, grpo_loss, opd_loss, retirement
+ALGORITHMS = {  # teacher_phase, student_phase, grpo, opd, retirement
     "retireopd": Algorithm(True, True, True, True, "adaptive"),  # the method
     "grpo": Algorithm(False, True, True, False, None),  # the RL baseline
     "skill-grpo": Algorithm(True, False, False, False, None),  # the teacher alone, reported with and without skills
@@ -116,7 +116,7 @@ class Config:
     clip_eps: float = arg(0.2, "PPO clip")
     dual_clip: float = arg(3.0, "dual-clip PPO: for A < 0 the loss is also capped at -c*A (verl's clip_ratio_c)")
     ppo_epochs: int = arg(1, "passes over each iteration's samples")
-    mini_batch: Optional[int] = arg(None, "turn-samples per optimizer step, phase 1 and grpo (None: 256; WebShop 64)")
+    mini_batch: Optional[int] = arg(None, "turn-samples per optimizer step, phase 1 and grpo (None: ALFWorld 256, else 64)")
     opd_mini_batch: int = arg(128, "turn-samples per optimizer step in phase 2 with a teacher (both envs)")
     token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
     kl_coef: float = arg(0.01, "KL-to-reference (k3) coefficient, phase 1 and --algo grpo; 0: no reference model")
@@ -489,7 +489,7 @@ class TurnSample:
     episode: int  # i: which episode
     prompt_ids: list  # the policy's prompt tokens (s_t; with skills in phase 1)
     response_ids: list  # y: the tokens the policy sampled (ending in EOS unless cut)
-    malformed: bool  # no <think>/<action> pair, CJK, or cut at max_response_tokens
+    malformed: bool  # no <think>/<action> pair, an empty action, CJK, or cut at max_response_tokens
     teacher_prompt_ids: Optional[list] = None  # s_t^T, when a teacher will score y
     score: float = 0.0  # r_{i,t} (turn_scores), set when the episode ends
     sample_logp: Optional[torch.Tensor] = None  # (len(y),) log-probs of y as the sampler saw them
@@ -688,9 +688,10 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     # the update: L = L_PPO + kl_coef KL_ref - entropy_coef H + lambda L_OPD (lambda = 0 without a teacher)
     record["opd_coef"] = cfg.opd_coef if teacher is not None else 0.0
     with timed(record, "t_update"):
-        record.update(ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, mini_batch=mini_batch,
-                                 kl_coef=kl_coef, ref_logp=ref_logp, teacher_logp=teacher_logp,
-                                 opd_coef=record["opd_coef"], rng=rng))
+        update = ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, mini_batch=mini_batch,
+                            kl_coef=kl_coef, ref_logp=ref_logp, teacher_logp=teacher_logp,
+                            opd_coef=record["opd_coef"], rng=rng)
+    record.update(update)
     record["train_tokens_per_s"] = record["trained_tokens"] / max(record["t_update"], 1e-9)
     return record
 
@@ -745,12 +746,12 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     return val_successes
 
 
-def teacher_phase(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> float:
+def train_teacher(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
     """Phase 1, Skill-GRPO: the base model trained with GRPO while the task's skills sit in its
-    prompt, then frozen and saved. Returns S_T, its validation success with skills."""
+    prompt, then frozen and saved, with S_T (its validation success with skills) beside it."""
     policy, tokenizer, resume = models.policy("teacher")
     _, kl_coef = phase_protocol(cfg, distilling=False)
-    frozen = FrozenModels(reference=models.frozen(models.base) if kl_coef > 0 else None)
+    frozen = FrozenModels(reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
     print_memory_estimate(policy, cfg, run, "phase 1", frozen, skill_tokens=1024)
     validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, skills_in_prompt=True, frozen=frozen,
                               resume=resume)
@@ -759,26 +760,25 @@ def teacher_phase(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> fl
         run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=skills,
                                            desc=f"teacher report ({'skills' if skills else 'no skills'})"))
     run.save_teacher(policy, tokenizer, teacher_success, validations)
-    return teacher_success
 
 
-def student_phase(cfg: Config, suite: TaskSuite, run: Run, models: Models, teacher_success: Optional[float]):
+def train_student(cfg: Config, suite: TaskSuite, run: Run, models: Models, teacher_success: Optional[float]):
     """Phase 2: a fresh, skill-free student from the base model, trained as ALGORITHMS[cfg.algo]
     says: GRPO, plus lambda * L_OPD toward the frozen teacher until it retires (or never)."""
     algorithm = ALGORITHMS[cfg.algo]
     policy, tokenizer, resume = models.policy("student")
     retirement = None
-    if algorithm.opd_loss:
+    if algorithm.opd:
         mode = "fixed" if cfg.retire_at is not None else (algorithm.retirement or "never")
         retirement = Retirement(teacher_success, mode, cfg.window, cfg.alignment_threshold, cfg.rho, cfg.retire_at)
         if resume is not None and resume["retirement"] is not None:  # the rule's whole state, as it was saved
             retirement = Retirement(**resume["retirement"])
-    _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd_loss)
-    frozen = FrozenModels(teacher=models.frozen(models.teacher_dir) if retirement and not retirement.retired else None,
-                          reference=models.frozen(models.base) if kl_coef > 0 else None)
+    _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd)
+    frozen = FrozenModels(teacher=models.frozen_copy(models.teacher_dir) if retirement and not retirement.retired else None,
+                          reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
     print_memory_estimate(policy, cfg, run, "phase 2", frozen)
     train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
-                grpo_loss=algorithm.grpo_loss, retirement=retirement, resume=resume)
+                grpo_loss=algorithm.grpo, retirement=retirement, resume=resume)
     run.log_report("student", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=False,
                                        desc="student report"))
     run.save_student(policy, tokenizer, teacher_success, retirement)
@@ -788,16 +788,16 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
     """The two phases, as ALGORITHMS[cfg.algo] says. A phase whose model is saved is not redone."""
     algorithm = ALGORITHMS[cfg.algo]
     if algorithm.teacher_phase and not models.teacher_saved():
-        teacher_phase(cfg, suite, run, models)
+        train_teacher(cfg, suite, run, models)
         gc.collect()  # the teacher is saved; its training copy and optimizer leave memory
     if algorithm.student_phase and "student" not in run.finished_phases():
-        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.opd_loss else None
-        student_phase(cfg, suite, run, models, teacher_success)
+        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.opd else None
+        train_student(cfg, suite, run, models, teacher_success)
 
 
 # ==================================================================================================
-# Everything below is plumbing: it does not change the math. Environments, models, speed and memory,
-# the run folder, the plot, the command line, the benchmark, main.
+# Everything below is plumbing: it does not change the math. Environments, models, the model calls,
+# the run folder, the command line, memory, the plot, the benchmark, main.
 # ==================================================================================================
 ####################################################################################################
 
@@ -1064,10 +1064,31 @@ class EpisodeState:
     error: Optional[str] = None
 
 
+def env_calls(calls: list) -> list:
+    """[(env, method, args)] -> their results, in order; an exception is returned in place of its
+    result, not raised. Envs in ALFWorld worker processes run in parallel; the others one by one."""
+    results, remote, local = [None] * len(calls), {}, []
+    for k, (env, method, args) in enumerate(calls):
+        if isinstance(env, alfworld_env.RemoteAlfWorldEnv):
+            remote.setdefault(env.workers, []).append((k, (env.worker, env.env_id, env.spec, method, args)))
+        else:
+            local.append(k)
+    for workers, batch in remote.items():
+        for (k, _), result in zip(batch, workers.run([call for _, call in batch])):
+            results[k] = result
+    for k in local:
+        env, method, args = calls[k]
+        try:
+            results[k] = getattr(env, method)(*args)
+        except Exception as exc:
+            results[k] = exc
+    return results
+
+
 def start_episodes(episodes: list) -> None:
     """Reset every episode's environment (in parallel with --env-workers). A task whose reset fails
     ends as a failure; the run goes on."""
-    for episode, result in zip(episodes, alfworld_env.env_calls([(e.env, "reset", ()) for e in episodes])):
+    for episode, result in zip(episodes, env_calls([(e.env, "reset", ()) for e in episodes])):
         if isinstance(result, Exception):
             episode.done, episode.error = True, f"reset: {result!r}"
             continue
@@ -1077,7 +1098,7 @@ def start_episodes(episodes: list) -> None:
 
 def step_episodes(actions: list, active: list, max_turns: int) -> None:
     """Step each (episode, action); then every active episode at max_turns is done."""
-    results = alfworld_env.env_calls([(episode.env, "step", (action,)) for episode, action in actions])
+    results = env_calls([(episode.env, "step", (action,)) for episode, action in actions])
     for (episode, action), result in zip(actions, results):
         if isinstance(result, Exception):
             episode.done, episode.error = True, f"step: {result!r}"
@@ -1095,7 +1116,7 @@ def step_episodes(actions: list, active: list, max_turns: int) -> None:
 
 def close_episodes(episodes: list) -> None:
     """Hand engines back (to this process's pool, or the worker's)."""
-    alfworld_env.env_calls([(e.env, "close", ()) for e in episodes if hasattr(e.env, "close")])
+    env_calls([(e.env, "close", ()) for e in episodes if hasattr(e.env, "close")])
 
 
 class RolloutMeter:
@@ -1574,10 +1595,9 @@ def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
 
 
 def autocast(device: torch.device):
-    """bf16 compute on GPU over fp32 master weights (see the Config notes); plain fp32 on CPU."""
+    """bf16 compute on GPU over fp32 master weights (README: Precision); plain fp32 on CPU."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
     return contextlib.nullcontext()
 
 
@@ -2046,6 +2066,30 @@ class Run:
                                                       "retired_at": retirement.retired_at if retirement else None})
 
 
+def run_summary(run_dir: Path) -> str:
+    """The end-of-run summary, from the run folder's logs: S_T, when the teacher retired, and the
+    report panel's success of the teacher (with skills, and without for skill-grpo) and the student."""
+    events = read_jsonl(run_dir / "events.jsonl")
+    reports = {(e["phase"], e["skills"]): e["overall"] for e in read_jsonl(run_dir / "eval.jsonl")
+               if e.get("panel") == "report"}
+    saved = {phase: json.loads((run_dir / phase / "retireopd.json").read_text()) for phase in PHASES
+             if (run_dir / phase / "retireopd.json").is_file()}
+    teacher_success = saved.get("student", saved.get("teacher", {})).get("teacher_success")
+    parts = [] if teacher_success is None else [f"S_T {teacher_success:.3f}"]
+    retirements = [e for e in events if e["event"] == "retirement"]
+    if retirements:
+        parts.append(f"teacher retired from student iteration {retirements[-1]['retired_at']} "
+                     f"({retirements[-1]['rule']} rule)")
+    elif "student" in saved and saved["student"].get("teacher_success") is not None:
+        parts.append("teacher never retired")
+    names = {("teacher", True): "teacher with skills", ("teacher", False): "teacher without skills",
+             ("student", False): "student"}
+    panel = [f"{names[key]} {reports[key]:.2f}" for key in names if key in reports]
+    if panel:
+        parts.append("report panel: " + ", ".join(panel))
+    return "; ".join(parts)
+
+
 def save_pretrained_as(model, folder: Path, dtype: torch.dtype) -> None:
     """model.save_pretrained with the weights cast to dtype (copies on the CPU, a tied weight
     once), and config.json saying so under both names readers use: `dtype` (transformers >= 4.56)
@@ -2180,7 +2224,7 @@ class Models:
         resume, self.state = (self.state if resuming else None), None  # handed over: held once
         return model, tokenizer, resume
 
-    def frozen(self, name) -> torch.nn.Module:
+    def frozen_copy(self, name) -> torch.nn.Module:
         """A frozen copy for scoring only (--frozen-dtype): the teacher, or the base model as reference."""
         dtype = torch.bfloat16 if self.cfg.frozen_dtype == "bfloat16" else torch.float32
         model, _ = load_policy(str(name), self.device, dtype, self.cfg.seed)
@@ -2188,210 +2232,7 @@ class Models:
 
 
 # ==================================================================================================
-# 11. Memory: the estimate printed at start, and what is measured
-# ==================================================================================================
-
-
-def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
-                       device: Optional[torch.device] = None) -> dict:
-    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB).
-
-    Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
-    moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
-    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of three
-    stages that never overlap (each frees its tensors before the next begins):
-      rollout: the KV cache of the lock-step batch at full length (keys fp32 under autocast,
-        values bf16; plus one layer, the copy each decode step's concatenation makes); the
-        prefill's temporaries, for prefill_batch rows (all B*G when 0) of the widest prompt:
-        one layer's working set per token (fp32 residual stream, its norm and the attention
-        output, 12 B per hidden unit; three bf16 MLP tensors, 6 B per intermediate unit) and
-        the boolean attention mask (width^2 B per row); sampling: three fp32 (B*G, vocab)
-        tensors per decode step (generate's logits and softmax, our log-softmax).
-      forward/backward: with gradient checkpointing one fp32 hidden state per layer per token
-        of a micro-batch plus one layer's working set; log-probs: one chunk of
-        vocabulary-sized fp32 logits and their softmax.
-      optimizer step: AdamW's temporaries: none when fused (CUDA), about one fp32 copy of the
-        parameters for the multi-tensor path (not used), two of the largest parameter's size for
-        the CPU loop.
-    device: where the run trains (default: the model's), which decides the AdamW path.
-    """
-    device = device or next(model.parameters()).device
-    params = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
-    shape = model.config
-    hidden, intermediate, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
-    frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
-    per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
-    activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
-    sequences = cfg.batch_tasks * cfg.group_size
-    head_dim = hidden // shape.num_attention_heads
-    prompt_width = cfg.max_prompt_tokens + skill_tokens
-    kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
-                * shape.num_key_value_heads * head_dim * (4 + 2))
-    prefill_rows = min(cfg.prefill_batch or sequences, sequences)
-    prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
-    if device.type == "cuda":  # build_adamw: fused on CUDA
-        optimizer_temporaries = 0
-    else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
-        optimizer_temporaries = 2 * 4 * max(p.numel() for p in params)
-    parts = dict(policy_and_adam=18 * n_params, frozen_models=frozen_bytes * n_params * n_frozen,
-                 kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
-                 activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12,
-                 optimizer_temporaries=optimizer_temporaries)
-    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
-    stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
-              "forward_backward": gib["activations"] + gib["logits"],
-              "optimizer_step": gib["optimizer_temporaries"]}
-    gib["peak_stage"] = max(stages, key=stages.get)
-    gib["total"] = round(gib["policy_and_adam"] + gib["frozen_models"] + stages[gib["peak_stage"]], 2)
-    gib["params_millions"] = round(n_params / 1e6, 2)
-    return gib
-
-
-def format_memory_estimate(memory: dict) -> str:
-    """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
-    stages = {"rollout": ("kv_cache", "prefill", "sampling"),
-              "forward_backward": ("activations", "logits"), "optimizer_step": ("optimizer_temporaries",)}
-    order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
-    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]) for stage in order]
-    return (f"{memory['total']} GiB = policy_and_adam {memory['policy_and_adam']} + frozen_models "
-            f"{memory['frozen_models']} + the largest stage ({'; '.join(described)}); "
-            f"{memory['params_millions']}M parameters")
-
-
-def print_memory_estimate(policy, cfg: Config, run: Run, phase: str, frozen: FrozenModels,
-                          skill_tokens: int = 0) -> None:
-    """Print (and log) the memory estimate before the phase allocates anything heavy."""
-    device = next(policy.parameters()).device
-    n_frozen = sum(model is not None for model in (frozen.teacher, frozen.reference))
-    memory = estimate_memory_gb(policy, cfg, n_frozen, skill_tokens, device)
-    print(f"[retireopd] {phase} memory estimate: {format_memory_estimate(memory)}")
-    if device.type == "cuda":
-        available = torch.cuda.get_device_properties(device).total_memory / 2**30
-        if memory["total"] > 0.95 * available:
-            print(f"[retireopd] WARNING: the estimate exceeds this GPU's {available:.0f} GiB: lower "
-                  "--token-budget, --max-prompt-tokens or --batch-tasks, or set --kl-coef 0")
-    run.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": memory, "device": str(device)})
-
-
-def process_memory_gb(field_name: str = "VmRSS") -> float:
-    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def current_memory_gb(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the
-    process's peak resident set (VmHWM; the process's peak so far where Linux refuses the reset)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return process_memory_gb("VmHWM")
-
-
-# ==================================================================================================
-# 12. Plot
-# ==================================================================================================
-
-
-def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
-    """One PNG for one or more runs. Top: success (thin lines: training episodes; dots: the
-    validation panel), the competence bar rho * S_T, the retirement. Bottom: the gap K per
-    phase-2 iteration, its block means (what the rule compares) and the k3 diagnostic.
-
-    matplotlib is optional: without it we say how to get the plot and return None.
-    """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[retireopd] no plot: `pip install matplotlib`, then `python retireopd.py --plot RUN_DIR`")
-        return None
-    missing = [str(d) for d in run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
-    if missing:
-        raise SystemExit(f"retireopd: no metrics.jsonl in {', '.join(missing)}: not a run folder")
-    fig, (ax_success, ax_gap) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
-    configs = [json.loads((Path(d) / "config.json").read_text()) for d in run_dirs]
-    envs = sorted({c["env"] for c in configs})
-    fig.suptitle(f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
-                 else f"{len(run_dirs)} runs on {' and '.join(envs)}", fontsize=10)
-    all_metrics = [read_jsonl(Path(d) / "metrics.jsonl") for d in run_dirs]
-    # phase 2 is drawn after phase 1 on one iteration axis: every run's phase 2 starts at the same
-    # place (a --algo grpo run, which has no phase 1, beside a RetireOPD student)
-    offset = max(sum(m["phase"] == "teacher" for m in metrics) for metrics in all_metrics)
-    for n, (run_dir, metrics) in enumerate(zip(map(Path, run_dirs), all_metrics)):
-        color = f"C{n}"
-        label = run_dir.name if len(run_dirs) > 1 else "student"
-        teacher = [m for m in metrics if m["phase"] == "teacher"]
-        student = [m for m in metrics if m["phase"] == "student"]
-        if teacher:
-            ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray", alpha=0.35, linewidth=1)
-            val = [m for m in teacher if "val_success" in m]
-            ax_success.plot([m["iteration"] for m in val], [m["val_success"] for m in val], "o-", color="gray",
-                            markersize=4, label="teacher, with skills (phase 1)" if n == 0 else None)
-            for ax in (ax_success, ax_gap):
-                ax.axvline(offset - 0.5, color="black", linewidth=0.8, alpha=0.3)
-        ax_success.plot([offset + m["iteration"] for m in student], [m["success"] for m in student],
-                        color=color, alpha=0.35, linewidth=1)
-        val = [m for m in student if "val_success" in m]
-        ax_success.plot([offset + m["iteration"] for m in val], [m["val_success"] for m in val], "o-",
-                        color=color, markersize=4, label=f"{label}, no skills (phase 2)")
-        bar = [m["teacher_success"] for m in student if m.get("teacher_success")]
-        if bar:
-            ax_success.axhline(configs[n]["rho"] * bar[0], color=color, linestyle=":", linewidth=1,
-                               label="competence bar rho * S_T" if n == 0 else None)
-        with_gap = [m for m in student if "gap" in m]  # none without a teacher in phase 2
-        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap"] for m in with_gap], color=color,
-                    alpha=0.4, linewidth=1, label=None if not with_gap else f"{label}: K" if len(run_dirs) > 1
-                    else "K per iteration")
-        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap_k3"] for m in with_gap], color=color,
-                    linestyle="--", alpha=0.4, linewidth=1, label=None if len(run_dirs) > 1 else "k3 diagnostic")
-        window = configs[n]["window"]
-        blocks = [m for m in with_gap if "gap_block" in m]
-        for k, m in enumerate(blocks):
-            ax_gap.hlines(m["gap_block"], offset + m["iteration"] - window + 0.5, offset + m["iteration"] + 0.5,
-                          color=color, linewidth=2.5,
-                          label=(f"{label}: block means" if len(run_dirs) > 1 else f"block means of K (W = {window})")
-                          if k == 0 else None)
-        for event in read_jsonl(run_dir / "events.jsonl"):
-            if event.get("event") == "retirement":
-                for ax in (ax_success, ax_gap):
-                    ax.axvline(offset + event["retired_at"] - 0.5, color=color, linestyle="--")
-                ax_gap.annotate("teacher retired", (offset + event["retired_at"] - 0.5, 0), color=color,
-                                xycoords=("data", "axes fraction"), xytext=(3, 5), textcoords="offset points")
-    ax_success.set_ylim(-0.03, 1.03)
-    ax_success.set_ylabel("success (thin: training,\ndots: validation panel)")
-    ax_success.legend(fontsize=8)
-    ax_gap.set_ylabel("teacher-student gap\n(phase 2, while the teacher scores)")
-    ax_gap.set_xlabel("iteration (phase 1, then phase 2)")
-    ax_gap.xaxis.get_major_locator().set_params(integer=True)
-    ax_gap.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out or Path(run_dirs[0]) / ("compare.png" if len(run_dirs) > 1 else "plot.png"))
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
-
-
-# ==================================================================================================
-# 13. Command line: flags, the tiny presets, checks that fail in one line
+# 11. Command line: flags, the tiny presets, checks that fail in one line
 # ==================================================================================================
 # `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
 # a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
@@ -2609,6 +2450,209 @@ def validate_config(cfg: Config) -> None:
 
 
 # ==================================================================================================
+# 12. Memory: the estimate printed at start, and what is measured
+# ==================================================================================================
+
+
+def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
+                       device: Optional[torch.device] = None) -> dict:
+    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB).
+
+    Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
+    moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
+    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of three
+    stages that never overlap (each frees its tensors before the next begins):
+      rollout: the KV cache of the lock-step batch at full length (keys fp32 under autocast,
+        values bf16; plus one layer, the copy each decode step's concatenation makes); the
+        prefill's temporaries, for prefill_batch rows (all B*G when 0) of the widest prompt:
+        one layer's working set per token (fp32 residual stream, its norm and the attention
+        output, 12 B per hidden unit; three bf16 MLP tensors, 6 B per intermediate unit) and
+        the boolean attention mask (width^2 B per row); sampling: three fp32 (B*G, vocab)
+        tensors per decode step (generate's logits and softmax, our log-softmax).
+      forward/backward: with gradient checkpointing one fp32 hidden state per layer per token
+        of a micro-batch plus one layer's working set; log-probs: one chunk of
+        vocabulary-sized fp32 logits and their softmax.
+      optimizer step: AdamW's temporaries: none when fused (CUDA), about one fp32 copy of the
+        parameters for the multi-tensor path (not used), two of the largest parameter's size for
+        the CPU loop.
+    device: where the run trains (default: the model's), which decides the AdamW path.
+    """
+    device = device or next(model.parameters()).device
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    shape = model.config
+    hidden, intermediate, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
+    frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
+    per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
+    activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
+    sequences = cfg.batch_tasks * cfg.group_size
+    head_dim = hidden // shape.num_attention_heads
+    prompt_width = cfg.max_prompt_tokens + skill_tokens
+    kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
+                * shape.num_key_value_heads * head_dim * (4 + 2))
+    prefill_rows = min(cfg.prefill_batch or sequences, sequences)
+    prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
+    if device.type == "cuda":  # build_adamw: fused on CUDA
+        optimizer_temporaries = 0
+    else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
+        optimizer_temporaries = 2 * 4 * max(p.numel() for p in params)
+    parts = dict(policy_and_adam=18 * n_params, frozen_models=frozen_bytes * n_params * n_frozen,
+                 kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
+                 activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12,
+                 optimizer_temporaries=optimizer_temporaries)
+    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
+    stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
+              "forward_backward": gib["activations"] + gib["logits"],
+              "optimizer_step": gib["optimizer_temporaries"]}
+    gib["peak_stage"] = max(stages, key=stages.get)
+    gib["total"] = round(gib["policy_and_adam"] + gib["frozen_models"] + stages[gib["peak_stage"]], 2)
+    gib["params_millions"] = round(n_params / 1e6, 2)
+    return gib
+
+
+def format_memory_estimate(memory: dict) -> str:
+    """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
+    stages = {"rollout": ("kv_cache", "prefill", "sampling"),
+              "forward_backward": ("activations", "logits"), "optimizer_step": ("optimizer_temporaries",)}
+    order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
+    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]) for stage in order]
+    return (f"{memory['total']} GiB = policy_and_adam {memory['policy_and_adam']} + frozen_models "
+            f"{memory['frozen_models']} + the largest stage ({'; '.join(described)}); "
+            f"{memory['params_millions']}M parameters")
+
+
+def print_memory_estimate(policy, cfg: Config, run: Run, phase: str, frozen: FrozenModels,
+                          skill_tokens: int = 0) -> None:
+    """Print (and log) the memory estimate before the phase allocates anything heavy."""
+    device = next(policy.parameters()).device
+    n_frozen = sum(model is not None for model in (frozen.teacher, frozen.reference))
+    memory = estimate_memory_gb(policy, cfg, n_frozen, skill_tokens, device)
+    print(f"[retireopd] {phase} memory estimate: {format_memory_estimate(memory)}")
+    if device.type == "cuda":
+        available = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if memory["total"] > 0.95 * available:
+            print(f"[retireopd] WARNING: the estimate exceeds this GPU's {available:.0f} GiB: lower "
+                  "--token-budget, --max-prompt-tokens or --batch-tasks, or set --kl-coef 0")
+    run.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": memory, "device": str(device)})
+
+
+def process_memory_gb(field_name: str = "VmRSS") -> float:
+    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def current_memory_gb(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the
+    process's peak resident set (VmHWM; the process's peak so far where Linux refuses the reset)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return process_memory_gb("VmHWM")
+
+
+# ==================================================================================================
+# 13. Plot
+# ==================================================================================================
+
+
+def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
+    """One PNG for one or more runs. Top: success (thin lines: training episodes; dots: the
+    validation panel), the competence bar rho * S_T, the retirement. Bottom: the gap K per
+    phase-2 iteration, its block means (what the rule compares) and the k3 diagnostic.
+
+    matplotlib is optional: without it we say how to get the plot and return None.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[retireopd] no plot: `pip install matplotlib`, then `python retireopd.py --plot RUN_DIR`")
+        return None
+    missing = [str(d) for d in run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
+    if missing:
+        raise SystemExit(f"retireopd: no metrics.jsonl in {', '.join(missing)}: not a run folder")
+    fig, (ax_success, ax_gap) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    configs = [json.loads((Path(d) / "config.json").read_text()) for d in run_dirs]
+    envs = sorted({c["env"] for c in configs})
+    fig.suptitle(f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
+                 else f"{len(run_dirs)} runs on {' and '.join(envs)}", fontsize=10)
+    all_metrics = [read_jsonl(Path(d) / "metrics.jsonl") for d in run_dirs]
+    # phase 2 is drawn after phase 1 on one iteration axis: every run's phase 2 starts at the same
+    # place (a --algo grpo run, which has no phase 1, beside a RetireOPD student)
+    offset = max(sum(m["phase"] == "teacher" for m in metrics) for metrics in all_metrics)
+    for n, (run_dir, metrics) in enumerate(zip(map(Path, run_dirs), all_metrics)):
+        color = f"C{n}"
+        label = run_dir.name if len(run_dirs) > 1 else "student"
+        teacher = [m for m in metrics if m["phase"] == "teacher"]
+        student = [m for m in metrics if m["phase"] == "student"]
+        if teacher:
+            ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray", alpha=0.35, linewidth=1)
+            val = [m for m in teacher if "val_success" in m]
+            ax_success.plot([m["iteration"] for m in val], [m["val_success"] for m in val], "o-", color="gray",
+                            markersize=4, label="teacher, with skills (phase 1)" if n == 0 else None)
+            for ax in (ax_success, ax_gap):
+                ax.axvline(offset - 0.5, color="black", linewidth=0.8, alpha=0.3)
+        ax_success.plot([offset + m["iteration"] for m in student], [m["success"] for m in student],
+                        color=color, alpha=0.35, linewidth=1)
+        val = [m for m in student if "val_success" in m]
+        ax_success.plot([offset + m["iteration"] for m in val], [m["val_success"] for m in val], "o-",
+                        color=color, markersize=4, label=f"{label}, no skills (phase 2)")
+        bar = [m["teacher_success"] for m in student if m.get("teacher_success")]
+        if bar:
+            ax_success.axhline(configs[n]["rho"] * bar[0], color=color, linestyle=":", linewidth=1,
+                               label="competence bar rho * S_T" if n == 0 else None)
+        with_gap = [m for m in student if "gap" in m]  # none without a teacher in phase 2
+        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap"] for m in with_gap], color=color,
+                    alpha=0.4, linewidth=1, label=None if not with_gap else f"{label}: K" if len(run_dirs) > 1
+                    else "K per iteration")
+        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap_k3"] for m in with_gap], color=color,
+                    linestyle="--", alpha=0.4, linewidth=1, label=None if len(run_dirs) > 1 else "k3 diagnostic")
+        window = configs[n]["window"]
+        blocks = [m for m in with_gap if "gap_block" in m]
+        for k, m in enumerate(blocks):
+            ax_gap.hlines(m["gap_block"], offset + m["iteration"] - window + 0.5, offset + m["iteration"] + 0.5,
+                          color=color, linewidth=2.5,
+                          label=(f"{label}: block means" if len(run_dirs) > 1 else f"block means of K (W = {window})")
+                          if k == 0 else None)
+        for event in read_jsonl(run_dir / "events.jsonl"):
+            if event.get("event") == "retirement":
+                for ax in (ax_success, ax_gap):
+                    ax.axvline(offset + event["retired_at"] - 0.5, color=color, linestyle="--")
+                ax_gap.annotate("teacher retired", (offset + event["retired_at"] - 0.5, 0), color=color,
+                                xycoords=("data", "axes fraction"), xytext=(3, 5), textcoords="offset points")
+    ax_success.set_ylim(-0.03, 1.03)
+    ax_success.set_ylabel("success (thin: training,\ndots: validation panel)")
+    ax_success.legend(fontsize=8)
+    ax_gap.set_ylabel("teacher-student gap\n(phase 2, while the teacher scores)")
+    ax_gap.set_xlabel("iteration (phase 1, then phase 2)")
+    ax_gap.xaxis.get_major_locator().set_params(integer=True)
+    ax_gap.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out or Path(run_dirs[0]) / ("compare.png" if len(run_dirs) > 1 else "plot.png"))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ==================================================================================================
 # 14. The built-in benchmark (--benchmark): our code paths against the plain Hugging Face ones
 # ==================================================================================================
 
@@ -2781,10 +2825,13 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
           f"{len(suite.validation_panel)}, report panel of {len(suite.report_panel)}) with {cfg.model} on "
           f"{device}; run folder {run.dir}")
 
-    train(cfg, suite, run, Models(cfg, run, device, checkpoint, state))
+    models = Models(cfg, run, device, checkpoint, state)
+    del state  # Models holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
+    train(cfg, suite, run, models)
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
     plot = plot_runs([run.dir])
+    print(f"[retireopd] summary: {run_summary(run.dir)}")
     print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"
           + (f"; plot {plot}" if plot else ""))
     return run.dir

@@ -1295,7 +1295,7 @@ def test_env_workers_play_exactly_like_this_process(fixture_root, tiny, monkeypa
                 suite.workers.processes[1].kill()
                 suite.workers.processes[1].join()
                 with pytest.raises(RuntimeError, match=r"worker 1 died .*--resume"):
-                    R.alfworld_env.env_calls([(e.env, "reset", ()) for e in episodes])
+                    R.env_calls([(e.env, "reset", ()) for e in episodes])
                 with pytest.raises(RuntimeError, match="unusable"):  # never a stale answer
                     episodes[0].env.reset()
         finally:
@@ -2492,3 +2492,20 @@ def test_demo_retirement_is_the_rule_applied_to_the_logged_numbers(demo_run):
     (retirement,) = [e for e in R.read_jsonl(demo_run / "events.jsonl") if e["event"] == "retirement"]
     assert decided is not None and retirement["decided_after_iteration"] == decided
     assert retirement["retired_at"] == decided + 1
+
+
+def test_run_summary_reads_S_T_the_retirement_and_the_report_panel(tmp_path):
+    def write(name, records):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    write("events.jsonl", [{"event": "start"}, {"event": "teacher_ready", "teacher_success": 0.5},
+                           {"event": "retirement", "rule": "adaptive", "retired_at": 11}, {"event": "done"}])
+    write("eval.jsonl", [{"phase": "teacher", "panel": "validation", "skills": True, "overall": 0.1},
+                         {"phase": "teacher", "panel": "report", "skills": True, "overall": 0.625},
+                         {"phase": "student", "panel": "report", "skills": False, "overall": 0.75}])
+    for phase, stored in (("teacher", 0.5), ("student", 0.6)):  # phase 2 ran with --teacher-success 0.6
+        (tmp_path / phase).mkdir()
+        (tmp_path / phase / "retireopd.json").write_text(json.dumps({"teacher_success": stored}))
+    assert R.run_summary(tmp_path) == ("S_T 0.600; teacher retired from student iteration 11 (adaptive rule); "
+                                       "report panel: teacher with skills 0.62, student 0.75")
+    write("events.jsonl", [{"event": "teacher_ready", "teacher_success": 0.5}])
+    assert "teacher never retired" in R.run_summary(tmp_path)
