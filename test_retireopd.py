@@ -2509,3 +2509,33 @@ def test_run_summary_reads_S_T_the_retirement_and_the_report_panel(tmp_path):
                                        "report panel: teacher with skills 0.62, student 0.75")
     write("events.jsonl", [{"event": "teacher_ready", "teacher_success": 0.5}])
     assert "teacher never retired" in R.run_summary(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_resume_into_phase_two_holds_no_trainer_state_of_phase_one(tmp_path, monkeypatch):
+    # Interrupted after the teacher is saved, before the student's first checkpoint (as after an
+    # S_T = 0 stop): the resume starts from phase 1's last checkpoint, whose trainer state carries
+    # AdamW's moments (12 GB at 1.5B). Phase 2 must not keep them alive.
+    class Interrupted(Exception):
+        pass
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted
+
+    real = R.train_student
+    monkeypatch.setattr(R, "train_student", interrupted)
+    with pytest.raises(Interrupted):
+        run_cli(tmp_path, "run", "--env", "webshop", "--iterations", "2")
+    held = []
+
+    real_phase = R.train_phase
+
+    def counting(phase, *args, **kwargs):
+        gc.collect()
+        held.extend(o for o in gc.get_objects() if type(o) is dict and {"optimizer", "python_rng"} <= set(o))
+        return real_phase(phase, *args, **kwargs)
+
+    monkeypatch.setattr(R, "train_student", real)
+    monkeypatch.setattr(R, "train_phase", counting)
+    R.main(["--resume", str(tmp_path / "run")])
+    assert held == [] and (tmp_path / "run" / "student" / "retireopd.json").is_file()
