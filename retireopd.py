@@ -1128,19 +1128,11 @@ class RolloutMeter:
         self.generated_tokens = self.generate_steps = self.prompts_truncated = 0
         self.bar = tqdm(total=max_turns, desc=desc, leave=False, dynamic_ncols=True, disable=not sys.stderr.isatty())
 
-    @contextlib.contextmanager
-    def _timer(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timers[name] += time.perf_counter() - start
-
     def env(self):
-        return self._timer("t_env")
+        return timed(self.timers, "t_env")
 
     def generate(self):
-        return self._timer("t_generate")
+        return timed(self.timers, "t_generate")
 
     def turn_done(self, responses: list, active: list, episodes: list) -> None:
         self.generated_tokens += sum(len(r.ids) for r in responses)
@@ -2131,12 +2123,12 @@ def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
 
 @contextlib.contextmanager
 def timed(record: dict, key: str):
-    """record[key] = the seconds the block took (the per-stage times of metrics.jsonl)."""
+    """Add the seconds the block took to record[key] (the per-stage times of metrics.jsonl)."""
     start = time.perf_counter()
     try:
         yield
     finally:
-        record[key] = time.perf_counter() - start
+        record[key] = record.get(key, 0.0) + time.perf_counter() - start
 
 
 def start_measuring(device: torch.device) -> float:
