@@ -9,11 +9,10 @@ validations average at least rho * S_T, the teacher is retired and GRPO alone go
 
 Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
 math, 4 rollout, 5 update, 6 one iteration, a phase, the two phases. Then a banner: below it is
-plumbing that does not change the math (environments, models, memory, run folder, CLI, main).
+plumbing that does not change the math (environments, models, model calls, run folder, CLI, main).
 `python retireopd.py --model tiny` runs the offline demo; --help lists every flag and more commands.
 Every deliberate choice, with its reason, is in README.md, "Choices and deviations".
 """
-
 
 from __future__ import annotations
 
@@ -116,7 +115,7 @@ class Config:
     clip_eps: float = arg(0.2, "PPO clip")
     dual_clip: float = arg(3.0, "dual-clip PPO: for A < 0 the loss is also capped at -c*A (verl's clip_ratio_c)")
     ppo_epochs: int = arg(1, "passes over each iteration's samples")
-    mini_batch: Optional[int] = arg(None, "turn-samples per optimizer step, phase 1 and grpo (None: ALFWorld 256, else 64)")
+    mini_batch: Optional[int] = arg(None, "samples per optimizer step, phase 1 and grpo (None: ALFWorld 256, else 64)")
     opd_mini_batch: int = arg(128, "turn-samples per optimizer step in phase 2 with a teacher (both envs)")
     token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
     kl_coef: float = arg(0.01, "KL-to-reference (k3) coefficient, phase 1 and --algo grpo; 0: no reference model")
@@ -278,13 +277,13 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn
     return (logp, entropy) if with_entropy else logp
 
 
-def k3(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
+def k3(logp: torch.Tensor, other_logp: torch.Tensor, max_log_ratio: Optional[float] = None) -> torch.Tensor:
     """The k3 estimate of KL(pi || other) per token sampled from pi: unbiased, never negative.
 
-        k3_k = exp(l^other_k - l_k) - 1 + (l_k - l^other_k)      (..., T) -> (..., T)
+        k3_k = exp(min(l^other_k - l_k, max_log_ratio)) - 1 + (l_k - l^other_k)      (..., T) -> (..., T)
     """
     log_ratio = other_logp - logp
-    return torch.exp(log_ratio) - 1 - log_ratio
+    return torch.exp(log_ratio if max_log_ratio is None else torch.clamp(log_ratio, max=max_log_ratio)) - 1 - log_ratio
 
 
 def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: Optional[torch.Tensor] = None):
@@ -357,7 +356,7 @@ def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Ten
     num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
     teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
     weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
-    k3_teacher = torch.exp(torch.clamp(teacher_logp - logp, max=20.0)) - 1 + (logp - teacher_logp)
+    k3_teacher = k3(logp, teacher_logp, max_log_ratio=20.0)
     loss = (weight * k3_teacher * mask).sum() / num_tokens
     return loss, {"opd_loss": float(loss.detach())}
 
@@ -774,7 +773,8 @@ def train_student(cfg: Config, suite: TaskSuite, run: Run, models: Models, teach
         if resume is not None and resume["retirement"] is not None:  # the rule's whole state, as it was saved
             retirement = Retirement(**resume["retirement"])
     _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd)
-    frozen = FrozenModels(teacher=models.frozen_copy(models.teacher_dir) if retirement and not retirement.retired else None,
+    teacher_needed = retirement is not None and not retirement.retired  # (a resume may find it retired)
+    frozen = FrozenModels(teacher=models.frozen_copy(models.teacher_dir) if teacher_needed else None,
                           reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
     print_memory_estimate(policy, cfg, run, "phase 2", frozen)
     train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
