@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 import transformers
@@ -476,10 +476,9 @@ class Retirement:
 # ==================================================================================================
 # 4. Rollout: B tasks x G episodes, played in lock-step
 # ==================================================================================================
-# At every turn the prompts of all active episodes are answered in one batched call (generate: the
-# full distribution at temperature 1), then every environment is stepped. Each turn is one training
-# sample. The policy's prompt carries skills only in phase 1; in phase 2 the teacher prompt s_t^T of
-# the same turn is stored beside the student's, for the teacher to score.
+# At every turn the prompts of all active episodes are answered in one batched call (generate: the full
+# distribution at temperature 1), then every environment is stepped; each turn is one training sample. The
+# policy's prompt carries skills only in phase 1; in phase 2 the teacher's s_t^T is stored beside it, to score.
 
 
 @dataclass
@@ -587,7 +586,7 @@ def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = 
     prompts = [s.teacher_prompt_ids if teacher_prompt else s.prompt_ids for s in samples]
     lengths = [len(p) + len(s.response_ids) for p, s in zip(prompts, samples)]
     out: list = [None] * len(samples)
-    for batch in make_micro_batches(lengths, cfg.token_budget):
+    for batch in in_lockstep(make_micro_batches(lengths, cfg.token_budget), lambda: idle_pass(model, cfg)):
         flat = sequence_logprobs(model, [prompts[i] for i in batch], [samples[i].response_ids for i in batch], cfg)
         for i, logp in zip(batch, flat.split([len(samples[i].response_ids) for i in batch])):
             out[i] = logp.float().cpu()
@@ -598,24 +597,26 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
                teacher_logp: Optional[list] = None, opd_coef: float = 0.0, rng: Optional[random.Random] = None) -> dict:
     """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch: its
-    combined_loss is the token-mean over the whole mini-batch, accumulated over micro-batches of
-    at most cfg.token_budget padded tokens. advantages[i]: (len(y_i),), None for pure OPD;
-    teacher_logp: l^T of the same tokens, None for no OPD term. A non-finite loss or gradient
-    skips its step (counted, never applied). Returns the update's metrics."""
+    combined_loss is the token-mean over the whole mini-batch (under torchrun, of the global batch:
+    each rank computes its own samples' part), accumulated over micro-batches of at most
+    cfg.token_budget padded tokens. advantages[i]: (len(y_i),), None for pure OPD; teacher_logp: l^T,
+    None for no OPD term. A non-finite loss or gradient skips its step. Returns the update's metrics."""
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
     meter = UpdateMeter()  # loss and stat sums, token counts, gradient norms (plumbing)
     with_entropy = advantages is not None and cfg.entropy_coef > 0
     model.train()
+    first, response_lengths = global_batch(samples)  # (one process: 0, and these samples' lengths)
     for _epoch in range(cfg.ppo_epochs):
-        order = list(range(len(samples)))
+        order = list(range(len(response_lengths)))
         rng.shuffle(order)
         for start in range(0, len(order), mini_batch):
             mini = order[start:start + mini_batch]
-            num_tokens = sum(len(samples[i].response_ids) for i in mini)  # the mini-batch's token count
+            num_tokens = sum(response_lengths[i] for i in mini)  # the mini-batch's token count
+            mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this rank's samples in it
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            for idx in meter.micro_batches(samples, mini, cfg.token_budget):
+            for idx in meter.micro_batches(samples, mine, cfg.token_budget, lambda: idle_pass(model, cfg, True)):
                 scored = sequence_logprobs(model, [samples[i].prompt_ids for i in idx],
                                            [samples[i].response_ids for i in idx], cfg, with_entropy=with_entropy)
                 logp, entropy = scored if with_entropy else (scored, None)
@@ -626,13 +627,12 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                     dual_clip=cfg.dual_clip, ref_logp=cat(ref_logp), kl_coef=kl_coef, entropy=entropy,
                     entropy_coef=cfg.entropy_coef, teacher_logp=cat(teacher_logp), opd_coef=opd_coef,
                     num_tokens=num_tokens)
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                loss.backward()
-                meter.add(loss, stats)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if not finite or not torch.isfinite(grad_norm):
+                finite = finite and bool(torch.isfinite(loss))
+                (loss * world_size()).backward()  # FSDP averages the ranks' gradients; their sum is wanted
+                if finite:
+                    meter.add(loss, stats)
+            grad_norm = clipped_grad_norm(model, cfg.grad_clip)
+            if not all_ranks(finite) or not torch.isfinite(grad_norm):
                 meter.skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 continue
@@ -661,7 +661,7 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     A teacher in `frozen` (phase 2, until retired) scores the sampled tokens on s_t^T: the gap K and
     the OPD term. grpo_loss=False (--algo opd) trains on lambda * L_OPD alone."""
     teacher = frozen.teacher
-    samples, _, record = rollout(policy, tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
+    samples, _, record = rollout(sampling_model(policy), tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
                                  skills_in_prompt=skills_in_prompt, with_teacher_prompts=teacher is not None,
                                  temperature=cfg.temperature, desc=desc)
     if not samples:
@@ -680,7 +680,7 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     if teacher is not None:
         with timed(record, "t_teacher"):
             teacher_logp = response_logprobs(teacher, samples, cfg, teacher_prompt=True)
-        record["gap"], record["gap_k3"] = teacher_student_gap(torch.cat(old_logp), torch.cat(teacher_logp))
+        record["gap"], record["gap_k3"] = teacher_student_gap(cat_over_ranks(old_logp), cat_over_ranks(teacher_logp))
     if frozen.reference is not None and kl_coef > 0:
         with timed(record, "t_reference"):
             ref_logp = response_logprobs(frozen.reference, samples, cfg)
@@ -704,16 +704,16 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     device = next(policy.parameters()).device
     optimizer = build_adamw(policy, cfg)
     rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
-    torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase))  # sampling: a fixed stream per phase
+    torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase) + 100_000 * rank())  # sampling: per phase and rank
     # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
     mini_batch, kl_coef = phase_protocol(cfg, distilling=retirement is not None or frozen.teacher is not None)
-    val_successes, first = restore_phase(resume, optimizer, rng, device) if resume else ([], 0)
+    val_successes, first = restore_phase(resume, policy, optimizer, rng, device) if resume else ([], 0)
     iterations = phase_iterations(cfg, phase)
     bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True, initial=first,
-               total=iterations)
+               total=iterations, disable=not main_process())
     for iteration in bar:
         started = start_measuring(device)
-        tasks = [rng.choice(suite.train) for _ in range(cfg.batch_tasks)]
+        tasks = share_of_tasks([rng.choice(suite.train) for _ in range(cfg.batch_tasks)])  # whole groups
         teacher_active = frozen.teacher is not None
         record = {"phase": phase, "iteration": iteration, **train_iteration(
             policy, optimizer, tokenizer, suite, cfg, tasks, skills_in_prompt=skills_in_prompt, frozen=frozen,
@@ -1126,7 +1126,8 @@ class RolloutMeter:
     def __init__(self, max_turns: int, desc: str):
         self.timers = {"t_generate": 0.0, "t_env": 0.0}
         self.generated_tokens = self.generate_steps = self.prompts_truncated = 0
-        self.bar = tqdm(total=max_turns, desc=desc, leave=False, dynamic_ncols=True, disable=not sys.stderr.isatty())
+        self.bar = tqdm(total=max_turns, desc=desc, leave=False, dynamic_ncols=True,
+                        disable=not sys.stderr.isatty() or not main_process())
 
     def env(self):
         return timed(self.timers, "t_env")
@@ -1141,17 +1142,20 @@ class RolloutMeter:
         self.bar.set_postfix(active=len(active), won=sum(e.won for e in episodes))
 
     def stats(self, episodes: list, samples: list, cfg: Config) -> dict:
+        """Under torchrun: counts over every rank's episodes; times and decode steps the slowest rank's."""
         self.bar.close()
-        n = max(len(episodes), 1)
-        return {"success": sum(e.won for e in episodes) / n,
-                "reward": sum(cfg.success_reward * e.won for e in episodes) / n,
-                "turns": sum(e.turns for e in episodes) / n,
-                "malformed_frac": sum(s.malformed for s in samples) / max(len(samples), 1),
-                "env_errors": sum(e.error is not None for e in episodes),
-                "prompts_truncated": self.prompts_truncated, "gen_tokens": self.generated_tokens,
-                "gen_steps": self.generate_steps, "samples": len(samples), **self.timers,
-                "gen_tokens_per_s": self.generated_tokens / max(self.timers["t_generate"], 1e-9),
-                "gen_ms_per_step": 1000 * self.timers["t_generate"] / max(self.generate_steps, 1)}
+        won, n, turns, malformed, n_samples, errors, truncated, tokens = sum_over_ranks(
+            sum(e.won for e in episodes), len(episodes), sum(e.turns for e in episodes),
+            sum(s.malformed for s in samples), len(samples), sum(e.error is not None for e in episodes),
+            self.prompts_truncated, self.generated_tokens)
+        timers = {key: max_over_ranks(value) for key, value in self.timers.items()}
+        steps = max_over_ranks(self.generate_steps)
+        n = max(n, 1)
+        return {"success": won / n, "reward": cfg.success_reward * won / n, "turns": turns / n,
+                "malformed_frac": malformed / max(n_samples, 1), "env_errors": errors,
+                "prompts_truncated": truncated, "gen_tokens": tokens, "gen_steps": steps, "samples": n_samples,
+                **timers, "gen_tokens_per_s": tokens / max(timers["t_generate"], 1e-9),
+                "gen_ms_per_step": 1000 * timers["t_generate"] / max(steps, 1)}
 
 
 def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skills: bool, desc: str) -> dict:
@@ -1162,7 +1166,8 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
     forked RNG so that evaluating does not change the training run's random stream.
     """
     device = next(model.parameters()).device
-    chunk = cfg.batch_tasks * cfg.group_size
+    model, tasks = sampling_model(model), tasks[rank()::world_size()]  # under torchrun: this rank's share
+    chunk = cfg.batch_tasks * cfg.group_size // world_size()
     records = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + 12345)
@@ -1172,6 +1177,7 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
                                      skills_in_prompt=skills, with_teacher_prompts=False,
                                      temperature=cfg.eval_temperature, desc=desc)
             records += [(e.task_type or suite.task_type(task), e.won) for e, task in zip(episodes, batch)]
+    records = [record for part in gather_objects(records) for record in part]
     return {**success_by_task_type(records), "skills": skills, "seed": cfg.seed + 12345,
             "temperature": cfg.eval_temperature}
 
@@ -1314,7 +1320,7 @@ def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
     steps, built once per run folder (a resume, or a folder that already has it, reuses it). Seed 0
     whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
     folder = run.dir / "tiny_base"
-    if not (folder / "retireopd.json").is_file():
+    if main_process() and not (folder / "retireopd.json").is_file():
         model, tok = load_policy("tiny", device, torch.float32, seed=0)
         one_thread_if_small(model, device)
         report = warm_start(model, tok, steps, seed=0)
@@ -1322,6 +1328,7 @@ def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
               f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
               f"{report['last_loss']:.3f}")
         run.save_model(model, tok, "tiny_base", {"warm_start": report})
+    barrier()  # the other ranks load it from there
     return str(folder)
 
 
@@ -1577,19 +1584,33 @@ def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
         rows += [b] * len(response)
         cols += range(len(prompt) - 1, len(sequence) - 1)  # position t predicts token t+1
         targets += response
-    with autocast(device):
+    picked = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    if not sharded(model):
+        return score_tokens(model, input_ids, attention_mask, picked, torch.tensor(targets, device=device),
+                            cfg.logprob_chunk, with_entropy)
+    scored = model.score_tokens(input_ids, attention_mask, picked, torch.tensor(targets, device=device),
+                                cfg.logprob_chunk, with_entropy)
+    if not torch.is_grad_enabled():  # a forward no backward follows: FSDP keeps the root's weights gathered,
+        model.reshard()  # and a later training step then reduced wrong gradients for them (a test catches it)
+    return scored
+
+
+def score_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, picked: tuple,
+                 targets: torch.Tensor, chunk: int, with_entropy: bool):
+    """The scoring forward: the base model over the (batch, length) inputs, then token_logprobs of
+    `targets` from the hidden states at `picked` (rows, columns). When sharded, this is a forward
+    of the sharded model (shard registers it), so FSDP gathers the weights it uses."""
+    with autocast(input_ids.device):
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                   use_cache=False).last_hidden_state
-    picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
-    with autocast(device):
-        return token_logprobs(picked, torch.tensor(targets, device=device),
-                              model.get_output_embeddings(), cfg.logprob_chunk, with_entropy)
+        return token_logprobs(hidden[picked], targets, model.get_output_embeddings(), chunk, with_entropy)
 
 
 def autocast(device: torch.device):
-    """bf16 compute on GPU over fp32 master weights (README: Precision); plain fp32 on CPU."""
+    """bf16 compute on GPU over fp32 master weights (README: Precision); plain fp32 on CPU. Under
+    torchrun its cache of bf16 weight casts is off: it would keep every gathered layer's cast."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=world_size() == 1)
     return contextlib.nullcontext()
 
 
@@ -1710,9 +1731,9 @@ def sample_logp_gap(samples: list, old_logp: list) -> dict:
     log-prob (a scripted generate) are left out; no key at all when none has one.
     """
     pairs = [(s.sample_logp, old) for s, old in zip(samples, old_logp) if s.sample_logp is not None]
-    if not pairs:
+    gap = cat_over_ranks([(sampled - old).abs() for sampled, old in pairs])
+    if not len(gap):
         return {}
-    gap = (torch.cat([sampled for sampled, _ in pairs]) - torch.cat([old for _, old in pairs])).abs()
     return {"sample_logp_gap_mean": float(gap.mean()), "sample_logp_gap_max": float(gap.max())}
 
 
@@ -1740,9 +1761,10 @@ class UpdateMeter:
         self.totals, self.grad_norms = {}, []
         self.steps = self.skipped = self.trained_tokens = self.padded_tokens = 0
 
-    def micro_batches(self, samples: list, mini: list, token_budget: int):
+    def micro_batches(self, samples: list, mini: list, token_budget: int, idle_pass):
+        """The micro-batches of this rank's part `mini` of a mini-batch, in lockstep with the other ranks."""
         lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mini]
-        for micro in make_micro_batches(lengths, token_budget):
+        for micro in in_lockstep(make_micro_batches(lengths, token_budget), idle_pass):
             self.padded_tokens += len(micro) * max(lengths[j] for j in micro)
             self.trained_tokens += sum(lengths[j] for j in micro)
             yield [mini[j] for j in micro]
@@ -1756,11 +1778,16 @@ class UpdateMeter:
         self.grad_norms.append(float(grad_norm))
 
     def stats(self) -> dict:
+        """Under torchrun the terms and token counts are summed over the ranks: each rank's terms are
+        its part of the global token-mean. Steps and gradient norms are the same on every rank."""
+        keys = sorted(self.totals)
+        *totals, trained, padded = sum_over_ranks(*(self.totals[key] for key in keys), self.trained_tokens,
+                                                  self.padded_tokens)
         n = max(self.steps + self.skipped, 1)
-        return {**{key: value / n for key, value in self.totals.items()}, "optimizer_steps": self.steps,
-                "skipped_steps": self.skipped, "trained_tokens": self.trained_tokens,
+        return {**{key: value / n for key, value in zip(keys, totals)}, "optimizer_steps": self.steps,
+                "skipped_steps": self.skipped, "trained_tokens": trained,
                 "grad_norm": sum(self.grad_norms) / max(len(self.grad_norms), 1),
-                "padding_frac": 1 - self.trained_tokens / max(self.padded_tokens, 1)}
+                "padding_frac": 1 - trained / max(padded, 1)}
 
 
 def set_warmup_lr(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
@@ -1778,14 +1805,235 @@ def rng_state(device: torch.device) -> dict:
     return state
 
 
-def set_rng_state(state: dict, device: torch.device) -> None:
+def set_rng_state(state, device: torch.device) -> None:
+    """state: rng_state's, or (under torchrun) one per rank, in rank order."""
+    state = state[rank()] if isinstance(state, list) else state
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # ==================================================================================================
-# 10. The run folder: logs, models, checkpoints, resume
+# 10. Several processes (torchrun): one process group, FSDP2 shards, what is gathered
+# ==================================================================================================
+# `torchrun --nproc_per_node N retireopd.py ...` runs the same script in N processes, one GPU each
+# (gloo on CPU). Every rank plays its share of the B tasks, whole GRPO groups, so the advantages
+# need nothing from another rank; the policy, the teacher and the reference are sharded with
+# FSDP2 (fully_shard); each optimizer step is one update over the global mini-batch; rank 0 alone
+# writes the run folder and prints. With one process none of this runs: world_size() is 1 and
+# every helper below returns its input.
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun (read before the group exists, too)
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def main_process() -> bool:
+    """Rank 0: the one process that writes the run folder and prints."""
+    return rank() == 0
+
+
+def start_processes(cfg: Config) -> torch.device:
+    """The training device; under torchrun also the process group (NCCL on GPUs, gloo on CPU), each
+    rank on its own GPU, the other ranks' prints silenced, and rank 0's --run-dir on every rank."""
+    device = pick_device(cfg.device)
+    if world_size() == 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if not main_process():
+        sys.stdout = open(os.devnull, "w")  # one voice: rank 0's (errors still reach stderr)
+    cfg.run_dir = broadcast(cfg.run_dir)  # the default folder is named by the time: rank 0's
+    return device
+
+
+def stop_processes() -> None:
+    if world_size() > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank (after rank 0 wrote something the others read)."""
+    if world_size() > 1:
+        torch.distributed.barrier()
+
+
+def broadcast(value):
+    """Rank 0's value on every rank (any picklable value)."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(value) -> list:
+    """[rank 0's value, rank 1's, ...] on every rank (small picklable values)."""
+    if world_size() == 1:
+        return [value]
+    values = [None] * world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def sum_over_ranks(*values: float) -> list:
+    """Each value summed over the ranks (counts, and sums of per-token terms)."""
+    return [sum(parts) for parts in zip(*gather_objects(values))]
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest over the ranks: times (the slowest rank sets the pace), peak memory, counts of
+    collective calls."""
+    return max(gather_objects(value))
+
+
+def all_ranks(flag: bool) -> bool:
+    return all(gather_objects(bool(flag)))
+
+
+def cat_over_ranks(tensors: list) -> torch.Tensor:
+    """The 1-D tensors of every rank, concatenated in rank order (per-token statistics such as K)."""
+    mine = torch.cat(tensors) if tensors else torch.zeros(0)
+    return mine if world_size() == 1 else torch.cat(gather_objects(mine.detach().cpu()))
+
+
+def share_of_tasks(tasks: list) -> list:
+    """This rank's consecutive share of the iteration's tasks: whole GRPO groups (B % N == 0)."""
+    per_rank = len(tasks) // world_size()
+    return tasks[rank() * per_rank:(rank() + 1) * per_rank]
+
+
+def global_batch(samples: list) -> tuple[int, list]:
+    """(where this rank's samples start in the global batch, the response length of every sample
+    in it). The global batch is the ranks' samples in rank order; one process: (0, its own)."""
+    lengths = [len(s.response_ids) for s in samples]
+    if world_size() == 1:
+        return 0, lengths
+    per_rank = gather_objects(lengths)
+    return sum(len(part) for part in per_rank[:rank()]), [n for part in per_rank for n in part]
+
+
+def in_lockstep(batches: list, idle_pass) -> Iterator:
+    """This rank's micro-batches, then idle_pass() until it has made as many passes as the rank with
+    the most: each forward and backward of a sharded model is collective (FSDP gathers the weights
+    of every layer from all ranks), so every rank must make the same number."""
+    passes = max_over_ranks(len(batches))  # agreed before any pass (one process: len(batches))
+    yield from batches
+    for _ in range(passes - len(batches)):
+        idle_pass()
+
+
+def idle_pass(model, cfg: Config, backward: bool = False) -> None:
+    """One forward (and backward) that changes nothing: a one-token response, its loss times 0."""
+    logp = sequence_logprobs(model, [[0]], [[0]], cfg)
+    if backward:
+        (logp.sum() * 0).backward()
+
+
+def shard(model, device: torch.device):
+    """FSDP2: every decoder layer, then the rest (embeddings, final norm, lm_head), sharded over the
+    ranks. The scoring forward (score_tokens: the base model, then our lm_head chunks) is registered
+    as a forward of the sharded model, so that FSDP gathers the root's weights for it and reduces
+    their gradients; model.generate is never called on it (sampling_model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    mesh = init_device_mesh(device.type, (world_size(),))
+    for layer in model.base_model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.score_tokens = functools.partial(score_tokens, model)
+    register_fsdp_forward_method(model, "score_tokens")
+    return model
+
+
+def sharded(model) -> bool:
+    return hasattr(model, "score_tokens")  # set by shard
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value: gathered from every rank's shard (collective) when sharded."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def full_state_dict(model) -> Optional[dict]:
+    """The sharded model's whole weights as CPU tensors on rank 0 (every rank takes part, one
+    parameter at a time); None for a model that is not sharded (save_pretrained reads it itself).
+    Qwen2 has no persistent buffers, and a tied lm_head is saved once, as save_pretrained does."""
+    if not sharded(model):
+        return None
+    gathered = {}
+    for name, parameter in model.named_parameters():
+        value = full_tensor(parameter.detach())
+        if main_process():
+            gathered[name] = value.cpu()
+    return gathered
+
+
+@torch.no_grad()
+def sampling_model(policy):
+    """The model that generates: the policy itself; when sharded, a whole copy of its weights on
+    this rank, refreshed from the shards now (collective: every rank calls it at the same point).
+
+    Why a copy: generating with the sharded policy gathers every layer's weights at every decode
+    step (at 7B, 30 GB of fp32 weights per token step); the copy costs one gather per iteration. On
+    a GPU it holds the Linear layers in bf16, the values autocast computes with, and the rest in
+    fp32, so it samples exactly as the one-process policy does under autocast: about 2 B/param."""
+    if not sharded(policy):
+        return policy
+    device = next(policy.parameters()).device
+    copy = policy.__dict__.get("sampling_copy")  # a plain attribute: not a submodule, not in state_dict
+    if copy is None:  # (its random init must not draw from the run's RNG: a resume builds it later)
+        with torch.device(device), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            copy = transformers.AutoModelForCausalLM.from_config(
+                policy.config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        head = copy.get_output_embeddings()
+        in_bf16 = {id(p) for m in copy.modules() if isinstance(m, torch.nn.Linear) and m is not head
+                   for p in m.parameters()}
+        for parameter in copy.parameters():  # (on CPU all are fp32 already)
+            if id(parameter) not in in_bf16:
+                parameter.data = parameter.data.float()
+        for name, buffer in policy.named_buffers():  # rotary frequencies, as the policy computed them
+            copy.get_buffer(name).copy_(buffer)
+        copy.generation_config = policy.generation_config
+        policy.__dict__["sampling_copy"] = copy.requires_grad_(False).eval()
+    shards = dict(policy.named_parameters())
+    for name, parameter in copy.named_parameters():
+        parameter.copy_(full_tensor(shards[name].detach()))
+    return copy
+
+
+def clipped_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over all parameters; the global norm (over every rank's shards) as a plain tensor."""
+    return full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def optimizer_state(model, optimizer) -> dict:
+    """AdamW's state for a checkpoint; when sharded, whole (gathered) on rank 0, keyed by parameter name."""
+    if not sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                               cpu_offload=True))
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    """The inverse of optimizer_state: each rank takes its shard of the whole state."""
+    if not sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+# ==================================================================================================
+# 11. The run folder: logs, models, checkpoints, resume
 # ==================================================================================================
 
 
@@ -1882,19 +2130,27 @@ class Run:
     run_dir/eval.jsonl         evaluations on the fixed panel, per task type
     run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
     run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
+
+    Under torchrun, rank 0 alone writes: every rank calls the same methods (saving a sharded model
+    gathers its weights from all of them), and rank 0 writes what they gathered.
     """
     latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.dir = Path(cfg.run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.run_id = run_identity(self.dir, cfg)["run_id"]
-        write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        run_id = None
+        if main_process():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            run_id = run_identity(self.dir, cfg)["run_id"]
+            write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        self.run_id = broadcast(run_id)
         self.started = time.time()
         Run.latest = self.dir
 
     def log(self, name: str, record: dict) -> None:
+        if not main_process():
+            return
         try:
             with open(self.dir / name, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -1924,15 +2180,18 @@ class Run:
         dtype: the weights' dtype on disk, bf16 by default (final models: half the size, and
         servable: vLLM's dtype=auto serves a float32 checkpoint in fp16, where Qwen2.5 breaks
         down); None keeps the fp32 master weights (resumable checkpoints). The live model is
-        not changed."""
+        not changed. Sharded: the whole weights are gathered (every rank calls this), rank 0 writes."""
         from safetensors import SafetensorError
+        weights = full_state_dict(model)  # None: not sharded (save_pretrained reads the model itself)
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
+        if not main_process():
+            return final
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             if dtype is None:
-                model.save_pretrained(tmp)
+                model.save_pretrained(tmp, state_dict=weights)
             else:
-                save_pretrained_as(model, tmp, dtype)
+                save_pretrained_as(model, tmp, dtype, weights)
             tokenizer.save_pretrained(tmp)
             if extra is not None:
                 (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
@@ -1950,7 +2209,7 @@ class Run:
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
         (self.dir / "checkpoints").mkdir(exist_ok=True)
         self.save_model(model, tokenizer, name, trainer_state={**state, "run_id": self.run_id}, dtype=None)
-        for old in self.checkpoints()[: -self.cfg.keep_checkpoints]:
+        for old in self.checkpoints()[: -self.cfg.keep_checkpoints] if main_process() else ():
             shutil.rmtree(old, ignore_errors=True)
 
     def checkpoints(self) -> list:
@@ -1962,12 +2221,21 @@ class Run:
     def resumable_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
         """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a
         file cut short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a
-        note, and the one before it is tried."""
+        note, and the one before it is tried. Under torchrun rank 0 chooses, and every rank loads it."""
+        if not main_process():
+            name = broadcast(None)
+            return (None, None) if name is None else (self.dir / "checkpoints" / name, torch.load(
+                self.dir / "checkpoints" / name / "trainer.pt", weights_only=False, map_location="cpu", mmap=True))
+        folder, state = self.first_resumable_checkpoint()
+        broadcast(folder.name if folder else None)
+        return folder, state
+
+    def first_resumable_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
         for folder in reversed(self.checkpoints()):
             problem, state = saved_model_problem(folder), None
             if problem is None:
                 try:
-                    state = torch.load(folder / "trainer.pt", weights_only=False, map_location="cpu")
+                    state = torch.load(folder / "trainer.pt", weights_only=False, map_location="cpu", mmap=True)
                 except Exception as error:  # cut short, missing, not a torch file: not resumable either way
                     problem = "trainer.pt does not load: " + (str(error).strip().splitlines() or ["?"])[0]
             if problem is None and state.get("run_id", self.run_id) != self.run_id:
@@ -1990,6 +2258,8 @@ class Run:
         every iteration after the checkpoint (phase, iteration), and the start and end (memory
         estimate, report, teacher_ready) of every phase not in `finished`, the phases whose final
         model is saved (they are not redone). A last line cut short by a crash is dropped, with a note."""
+        if not main_process():
+            return
         point = (PHASES.index(phase), iteration)
         for saved in finished:  # a saved phase is complete, whichever checkpoint is used
             point = max(point, (PHASES.index(saved), phase_iterations(self.cfg, saved) - 1))
@@ -2015,8 +2285,9 @@ class Run:
         write_text_atomically(self.dir / "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
 
     def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
-        record["t_iteration"] = time.perf_counter() - started
-        record["peak_mem_gb"] = peak_memory_gb(device)
+        """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak."""
+        record["t_iteration"] = max_over_ranks(time.perf_counter() - started)
+        record["peak_mem_gb"] = max_over_ranks(peak_memory_gb(device))
         self.log("metrics.jsonl", record)
 
     def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
@@ -2039,10 +2310,11 @@ class Run:
         retirement: the fp32 policy and everything a resumed run needs to go on exactly as this one."""
         last = iteration + 1 == iterations
         if last or retired_now or (self.cfg.save_every and (iteration + 1) % self.cfg.save_every == 0):
+            rngs = gather_objects(rng_state(next(model.parameters()).device))  # one per rank
             self.checkpoint(model, tokenizer, {
-                "phase": phase, "iteration": iteration, "optimizer": optimizer.state_dict(),
-                "python_rng": rng.getstate(), "rng": rng_state(next(model.parameters()).device),
-                "val_successes": val_successes,
+                "phase": phase, "iteration": iteration, "optimizer": optimizer_state(model, optimizer),
+                "python_rng": rng.getstate(), "rng": rngs[0] if len(rngs) == 1 else rngs,
+                "world_size": world_size(), "val_successes": val_successes,
                 "retirement": dataclasses.asdict(retirement) if retirement else None})
 
     def save_teacher(self, model, tokenizer, teacher_success: float, validations: list) -> None:
@@ -2051,6 +2323,7 @@ class Run:
         self.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
         self.save_model(model, tokenizer, "teacher", {"teacher_success": teacher_success, "env": self.cfg.env,
                                                       "validations": validations[-2:]})
+        barrier()  # phase 2 reads it back on every rank
 
     def save_student(self, model, tokenizer, teacher_success: Optional[float],
                      retirement: Optional[Retirement]) -> None:
@@ -2082,12 +2355,12 @@ def run_summary(run_dir: Path) -> str:
     return "; ".join(parts)
 
 
-def save_pretrained_as(model, folder: Path, dtype: torch.dtype) -> None:
-    """model.save_pretrained with the weights cast to dtype (copies on the CPU, a tied weight
-    once), and config.json saying so under both names readers use: `dtype` (transformers >= 4.56)
-    and `torch_dtype` (older transformers, and the vLLM builds pinned to them)."""
+def save_pretrained_as(model, folder: Path, dtype: torch.dtype, weights: Optional[dict] = None) -> None:
+    """model.save_pretrained with the weights (default: the model's) cast to dtype (copies on the CPU,
+    a tied weight once), and config.json saying so under both names readers use: `dtype`
+    (transformers >= 4.56) and `torch_dtype` (older transformers, and the vLLM builds pinned to them)."""
     copies, seen = {}, set()
-    for key, tensor in model.state_dict().items():
+    for key, tensor in (model.state_dict() if weights is None else weights).items():
         if (tensor.data_ptr(), tensor.shape) in seen:  # tied (lm_head = embedding): saved once
             continue
         seen.add((tensor.data_ptr(), tensor.shape))
@@ -2137,10 +2410,10 @@ def start_measuring(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def restore_phase(resume: dict, optimizer, rng: random.Random, device: torch.device) -> tuple[list, int]:
+def restore_phase(resume: dict, policy, optimizer, rng: random.Random, device: torch.device) -> tuple[list, int]:
     """Continue a phase from a checkpoint's trainer state: AdamW's moments, the task-sampling and
     sampling RNGs. Returns (validation successes so far, the first iteration to run)."""
-    optimizer.load_state_dict(resume.pop("optimizer"))  # pop: no second copy of the moments
+    load_optimizer_state(policy, optimizer, resume.pop("optimizer"))  # pop: no second copy of the moments
     rng.setstate(resume["python_rng"])
     set_rng_state(resume["rng"], device)
     return list(resume["val_successes"]), resume["iteration"] + 1
@@ -2213,6 +2486,8 @@ class Models:
         one_thread_if_small(model, self.device)
         if self.cfg.gradient_checkpointing and self.device.type == "cuda":
             model.activation_checkpointing_enable()
+        if world_size() > 1:
+            shard(model, self.device)
         resume, self.state = (self.state if resuming else None), None  # handed over: held once
         return model, tokenizer, resume
 
@@ -2220,11 +2495,12 @@ class Models:
         """A frozen copy for scoring only (--frozen-dtype): the teacher, or the base model as reference."""
         dtype = torch.bfloat16 if self.cfg.frozen_dtype == "bfloat16" else torch.float32
         model, _ = load_policy(str(name), self.device, dtype, self.cfg.seed)
-        return model.requires_grad_(False).eval()
+        model.requires_grad_(False).eval()
+        return shard(model, self.device) if world_size() > 1 else model
 
 
 # ==================================================================================================
-# 11. Command line: flags, the tiny presets, checks that fail in one line
+# 12. Command line: flags, the tiny presets, checks that fail in one line
 # ==================================================================================================
 # `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
 # a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
@@ -2431,6 +2707,9 @@ def validate_config(cfg: Config) -> None:
         print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
     if cfg.frozen_dtype not in ("float32", "bfloat16"):
         problems.append("--frozen-dtype: float32 or bfloat16")
+    if cfg.batch_tasks % world_size():
+        problems.append(f"--batch-tasks {cfg.batch_tasks}: under torchrun each of the {world_size()} processes "
+                        "plays whole groups, so it must be a multiple of --nproc_per_node")
     known = cfg.model in MODEL_ALIASES or cfg.model == "tiny" or cfg.model.startswith("random:")
     if not known and "/" not in cfg.model and not Path(cfg.model).is_dir():
         problems.append(f"--model {cfg.model}: not a local folder, a hub id (org/name) or an alias "
@@ -2442,13 +2721,14 @@ def validate_config(cfg: Config) -> None:
 
 
 # ==================================================================================================
-# 12. Memory: the estimate printed at start, and what is measured
+# 13. Memory: the estimate printed at start, and what is measured
 # ==================================================================================================
 
 
 def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
-                       device: Optional[torch.device] = None) -> dict:
-    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB).
+                       device: Optional[torch.device] = None, processes: Optional[int] = None) -> dict:
+    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB),
+    per process: `processes` ranks under torchrun (default: this run's, world_size()).
 
     Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
     moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
@@ -2467,9 +2747,16 @@ def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
       optimizer step: AdamW's temporaries: none when fused (CUDA), about one fp32 copy of the
         parameters for the multi-tensor path (not used), two of the largest parameter's size for
         the CPU loop.
+    With N > 1 processes (FSDP2): the 16 B/param and the frozen models are divided by N, and
+    autocast keeps no weight copy (its cache is off: the bf16 casts live one layer at a time);
+    each rank plays B*G/N episodes; and two parts are whole on every rank: the sampling copy of
+    the policy (sampling_model: 2 B per Linear weight and 4 B per other weight on a GPU, 4 B on
+    CPU) and, during a forward or backward, the gathered weights and gradients (fp32) of two
+    decoder layers (the one computing and the one prefetched) and of the root (embeddings, lm_head).
     device: where the run trains (default: the model's), which decides the AdamW path.
     """
     device = device or next(model.parameters()).device
+    processes = processes or world_size()
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     shape = model.config
@@ -2477,39 +2764,54 @@ def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
     frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
     per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
     activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
-    sequences = cfg.batch_tasks * cfg.group_size
+    sequences = cfg.batch_tasks * cfg.group_size // processes
     head_dim = hidden // shape.num_attention_heads
     prompt_width = cfg.max_prompt_tokens + skill_tokens
     kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
                 * shape.num_key_value_heads * head_dim * (4 + 2))
     prefill_rows = min(cfg.prefill_batch or sequences, sequences)
     prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
+    largest = max(p.numel() for p in params) // processes
     if device.type == "cuda":  # build_adamw: fused on CUDA
         optimizer_temporaries = 0
     else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
-        optimizer_temporaries = 2 * 4 * max(p.numel() for p in params)
-    parts = dict(policy_and_adam=18 * n_params, frozen_models=frozen_bytes * n_params * n_frozen,
+        optimizer_temporaries = 2 * 4 * largest
+    sampling_copy = gathered = 0
+    if processes > 1:
+        head = model.get_output_embeddings()
+        linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+                     for p in m.parameters())
+        sampling_copy = 2 * linear + 4 * (n_params - linear) if device.type == "cuda" else 4 * n_params
+        layer = sum(p.numel() for p in model.base_model.layers[0].parameters())
+        gathered = 8 * (2 * layer + n_params - layers * layer)
+    parts = dict(policy_and_adam=(18 * n_params if processes == 1 else 16 * n_params / processes),
+                 frozen_models=frozen_bytes * n_params * n_frozen / processes, sampling_copy=sampling_copy,
                  kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
-                 activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12,
+                 activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12, gathered=gathered,
                  optimizer_temporaries=optimizer_temporaries)
     gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
     stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
-              "forward_backward": gib["activations"] + gib["logits"],
+              "forward_backward": gib["activations"] + gib["logits"] + gib["gathered"],
               "optimizer_step": gib["optimizer_temporaries"]}
     gib["peak_stage"] = max(stages, key=stages.get)
-    gib["total"] = round(gib["policy_and_adam"] + gib["frozen_models"] + stages[gib["peak_stage"]], 2)
+    resident = gib["policy_and_adam"] + gib["frozen_models"] + gib["sampling_copy"]
+    gib["total"] = round(resident + stages[gib["peak_stage"]], 2)
     gib["params_millions"] = round(n_params / 1e6, 2)
+    gib["processes"] = processes
     return gib
 
 
 def format_memory_estimate(memory: dict) -> str:
     """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
     stages = {"rollout": ("kv_cache", "prefill", "sampling"),
-              "forward_backward": ("activations", "logits"), "optimizer_step": ("optimizer_temporaries",)}
+              "forward_backward": ("activations", "logits", "gathered"), "optimizer_step": ("optimizer_temporaries",)}
     order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
-    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]) for stage in order]
-    return (f"{memory['total']} GiB = policy_and_adam {memory['policy_and_adam']} + frozen_models "
-            f"{memory['frozen_models']} + the largest stage ({'; '.join(described)}); "
+    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]
+                                           if part != "gathered" or memory[part]) for stage in order]
+    copy = f" + sampling_copy {memory['sampling_copy']}" if memory["sampling_copy"] else ""
+    per_rank = f" per process of {memory['processes']}" if memory["processes"] > 1 else ""
+    return (f"{memory['total']} GiB{per_rank} = policy_and_adam {memory['policy_and_adam']} + frozen_models "
+            f"{memory['frozen_models']}{copy} + the largest stage ({'; '.join(described)}); "
             f"{memory['params_millions']}M parameters")
 
 
@@ -2560,7 +2862,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 # ==================================================================================================
-# 13. Plot
+# 14. Plot
 # ==================================================================================================
 
 
@@ -2645,7 +2947,7 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
 
 
 # ==================================================================================================
-# 14. The built-in benchmark (--benchmark): our code paths against the plain Hugging Face ones
+# 15. The built-in benchmark (--benchmark): our code paths against the plain Hugging Face ones
 # ==================================================================================================
 
 
@@ -2754,7 +3056,7 @@ def benchmark(cfg: Config, repeats: int = 3) -> dict:
 
 
 # ==================================================================================================
-# 15. main
+# 16. main
 # ==================================================================================================
 
 
@@ -2791,13 +3093,16 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         return Path(resume_dir)
     if problem := model_source_problem(cfg.model):  # before the data and before anything is written
         raise SystemExit(f"retireopd: {problem}")
-    check_run_folder(cfg.run_dir, resuming=bool(resume_dir))
+    if run_benchmark and world_size() > 1:
+        raise SystemExit("retireopd: --benchmark runs in one process: start it with python, not torchrun")
+    if main_process():  # (under torchrun the other ranks wait for it in start_processes)
+        check_run_folder(cfg.run_dir, resuming=bool(resume_dir))
     if run_benchmark:
         print_benchmark(benchmark(cfg), Path(cfg.run_dir))
         return Path(cfg.run_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = pick_device(cfg.device)
+    device = start_processes(cfg)  # the device; under torchrun also the process group
     try:  # data problems surface here, in one line, before any model is loaded
         suite = TaskSuite(cfg)
     except (FileNotFoundError, ValueError) as error:
@@ -2806,6 +3111,9 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
     # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.
     checkpoint, state = run.resumable_checkpoint() if resume_dir else (None, None)
+    if state is not None and state.get("world_size", 1) != world_size():
+        raise SystemExit(f"retireopd: {checkpoint} was written by {state.get('world_size', 1)} process(es): resume "
+                         f"it with as many (torchrun --nproc_per_node {state.get('world_size', 1)}, or python for 1)")
     if resume_dir:
         run.truncate_logs(state["phase"] if state else PHASES[0], state["iteration"] if state else -1,
                           finished=run.finished_phases())
@@ -2815,13 +3123,17 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
               f"{cfg.save_every or cfg.iterations} iterations): starting it over")
     print(f"[retireopd] {cfg.algo} on {cfg.env} ({len(suite.train)} training tasks, validation panel of "
           f"{len(suite.validation_panel)}, report panel of {len(suite.report_panel)}) with {cfg.model} on "
-          f"{device}; run folder {run.dir}")
+          f"{device}" + (f" and {world_size() - 1} more process(es)" if world_size() > 1 else "")
+          + f"; run folder {run.dir}")
 
     models = Models(cfg, run, device, checkpoint, state)
     del state  # Models holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
     train(cfg, suite, run, models)
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
+    stop_processes()
+    if not main_process():
+        return run.dir
     plot = plot_runs([run.dir])
     print(f"[retireopd] summary: {run_summary(run.dir)}")
     print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"
