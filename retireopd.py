@@ -9,8 +9,8 @@ validations average at least rho * S_T, the teacher is retired and GRPO alone go
 
 Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
 math, 4 rollout, 5 update, 6 one iteration, a phase, the two phases. Then a banner: below it is
-plumbing that does not change the math (environments, models, model calls, run folder, CLI, main).
-`python retireopd.py --model tiny` runs the offline demo; --help lists every flag and more commands.
+plumbing that does not change the math (environments, models, model calls, torchrun, run folder,
+CLI, main). `python retireopd.py --model tiny` runs the offline demo; --help lists every flag.
 Every deliberate choice, with its reason, is in README.md, "Choices and deviations".
 """
 
@@ -797,7 +797,7 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
 
 # ==================================================================================================
 # Everything below is plumbing: it does not change the math. Environments, models, the model calls,
-# the run folder, the command line, memory, the plot, the benchmark, main.
+# several processes (torchrun), the run folder, the command line, memory, the plot, the benchmark, main.
 # ==================================================================================================
 ####################################################################################################
 
@@ -1855,6 +1855,7 @@ def start_processes(cfg: Config) -> torch.device:
 
 def stop_processes() -> None:
     if world_size() > 1 and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank tears its connections down while another still uses them
         torch.distributed.destroy_process_group()
 
 
@@ -2527,6 +2528,7 @@ EXAMPLES = """examples:
   python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
   python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
   python retireopd.py --model random:Qwen2.5-1.5B --iterations 1   # real shapes, random weights
+  torchrun --nproc_per_node 4 retireopd.py --model Qwen2.5-7B ...  # several GPUs: FSDP2 (README)
   python retireopd.py --algo grpo | skill-grpo | opd | grpo+opd | retireopd --retire-at 40
   python retireopd.py --resume RUN_DIR | --plot RUN_DIR | --compare RUN_DIR RUN_DIR"""
 

@@ -1676,7 +1676,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_what_to
         command = driver
     done = subprocess.run([*command, str(run_dir), how, str(summary), json.dumps(flags)], cwd=Path(__file__).parent,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     result = json.loads(summary.read_text())
     message = result["message"]
     assert message.startswith(f"retireopd: could not write {run_dir / 'checkpoints' / '1-student-00001'} (")
@@ -2599,9 +2599,9 @@ def test_the_sharded_update_is_the_one_process_update(tmp_path):
     here = str(Path(__file__).parent)
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     done = torchrun(str(script), str(tmp_path / "two.pt"), here)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     # 7 samples, mini-batches of 3 drawn from the global batch, 2 epochs: 6 optimizer steps on both
     assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"] == 6
@@ -2626,7 +2626,7 @@ def metrics_without_times(run_dir):
 def test_two_processes_run_retireopd_on_webshop(tmp_path):
     run_dir = tmp_path / "two"
     done = torchrun("retireopd.py", *TORCHRUN_FLAGS, "--run-dir", str(run_dir))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     assert done.stdout.count("[retireopd] done in") == 1  # rank 0 alone prints
     metrics = R.read_jsonl(run_dir / "metrics.jsonl")
     assert phases(metrics) == [("teacher", k) for k in range(3)] + [("student", k) for k in range(3)]
@@ -2663,7 +2663,7 @@ def test_a_killed_two_process_run_resumes_as_if_never_stopped(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 1 and "written by 2 process(es)" in one.stderr.strip().splitlines()[-1]
     done = torchrun("retireopd.py", "--resume", str(killed))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     assert "resuming" in done.stdout
     assert metrics_without_times(killed) == metrics_without_times(whole)  # each process's RNG restored too
 
