@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import errno
 import functools
@@ -32,6 +33,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -144,8 +146,7 @@ class Config:
 # ==================================================================================================
 # 2. Skills and prompts
 # ==================================================================================================
-# What the teacher sees beyond the student: the task type's skill block (skill_text). The skill texts
-# are plain data, written by us, beside each environment in section 7: SKILLS[env][task_type].
+# What the teacher sees beyond the student: its task type's skill block (skill_text; our texts, section 7).
 
 FORMAT_INSTRUCTION = (
     "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
@@ -201,10 +202,9 @@ def action_from_answer(response: str) -> Optional[str]:
 # ==================================================================================================
 # 3. The math: one small pure function per equation
 # ==================================================================================================
-# Notation: episode i of group g (all G episodes of a group play the same task), turn t, response
-# token k. r_{i,t} is the turn's score; l^old, l^T, l^theta are the log-probs of a sampled token
-# under the rollout policy, the teacher (on the skill-augmented prompt s_t^T) and the policy being
-# updated.
+# Notation: episode i of group g (all G episodes of a group play the same task), turn t, response token
+# k. r_{i,t} is the turn's score; l^old, l^T, l^theta are the log-probs of a sampled token under the
+# rollout policy, the teacher (on the skill-augmented prompt s_t^T) and the policy being updated.
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -1166,13 +1166,12 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
     forked RNG so that evaluating does not change the training run's random stream.
     """
     device = next(model.parameters()).device
-    model, tasks = sampling_model(model), tasks[rank()::world_size()]  # under torchrun: this rank's share
-    chunk = cfg.batch_tasks * cfg.group_size // world_size()
+    model, chunk = sampling_model(model), cfg.batch_tasks * cfg.group_size
     records = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + 12345)
-        for start in range(0, len(tasks), chunk):
-            batch = tasks[start:start + chunk]
+        for start in range(0, len(tasks), chunk):  # under torchrun: this rank's share of each (maybe none)
+            batch = tasks[start:start + chunk][rank()::world_size()]
             _, episodes, _ = rollout(model, tokenizer, suite, batch, cfg, group_size=1,
                                      skills_in_prompt=skills, with_teacher_prompts=False,
                                      temperature=cfg.eval_temperature, desc=desc)
@@ -1780,11 +1779,13 @@ class UpdateMeter:
     def stats(self) -> dict:
         """Under torchrun the terms and token counts are summed over the ranks: each rank's terms are
         its part of the global token-mean. Steps and gradient norms are the same on every rank."""
-        keys = sorted(self.totals)
-        *totals, trained, padded = sum_over_ranks(*(self.totals[key] for key in keys), self.trained_tokens,
-                                                  self.padded_tokens)
+        totals = defaultdict(float)  # (by key: a rank whose every loss was skipped as non-finite has none)
+        for part in gather_objects(self.totals):
+            for key, value in part.items():
+                totals[key] += value
+        trained, padded = sum_over_ranks(self.trained_tokens, self.padded_tokens)
         n = max(self.steps + self.skipped, 1)
-        return {**{key: value / n for key, value in zip(keys, totals)}, "optimizer_steps": self.steps,
+        return {**{key: value / n for key, value in totals.items()}, "optimizer_steps": self.steps,
                 "skipped_steps": self.skipped, "trained_tokens": trained,
                 "grad_norm": sum(self.grad_norms) / max(len(self.grad_norms), 1),
                 "padding_frac": 1 - trained / max(padded, 1)}
@@ -1846,7 +1847,10 @@ def start_processes(cfg: Config) -> torch.device:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # rank 0 alone writes a checkpoint (at 7B about 90 GB) while the others wait in the next collective:
+    # a generous timeout, beyond NCCL's default 10 minutes
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         timeout=timedelta(hours=2))
     if not main_process():
         sys.stdout = open(os.devnull, "w")  # one voice: rank 0's (errors still reach stderr)
     cfg.run_dir = broadcast(cfg.run_dir)  # the default folder is named by the time: rank 0's
@@ -1988,25 +1992,25 @@ def sampling_model(policy):
     if not sharded(policy):
         return policy
     device = next(policy.parameters()).device
-    copy = policy.__dict__.get("sampling_copy")  # a plain attribute: not a submodule, not in state_dict
-    if copy is None:  # (its random init must not draw from the run's RNG: a resume builds it later)
+    replica = policy.__dict__.get("sampling_copy")  # a plain attribute: not a submodule, not in state_dict
+    if replica is None:  # (its random init must not draw from the run's RNG: a resume builds it later)
         with torch.device(device), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            copy = transformers.AutoModelForCausalLM.from_config(
-                policy.config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        head = copy.get_output_embeddings()
-        in_bf16 = {id(p) for m in copy.modules() if isinstance(m, torch.nn.Linear) and m is not head
+            replica = transformers.AutoModelForCausalLM.from_config(  # (its own config: from_config sets dtype)
+                copy.deepcopy(policy.config), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        head = replica.get_output_embeddings()
+        in_bf16 = {id(p) for m in replica.modules() if isinstance(m, torch.nn.Linear) and m is not head
                    for p in m.parameters()}
-        for parameter in copy.parameters():  # (on CPU all are fp32 already)
+        for parameter in replica.parameters():  # (on CPU all are fp32 already)
             if id(parameter) not in in_bf16:
                 parameter.data = parameter.data.float()
         for name, buffer in policy.named_buffers():  # rotary frequencies, as the policy computed them
-            copy.get_buffer(name).copy_(buffer)
-        copy.generation_config = policy.generation_config
-        policy.__dict__["sampling_copy"] = copy.requires_grad_(False).eval()
+            replica.get_buffer(name).copy_(buffer)
+        replica.generation_config = policy.generation_config
+        policy.__dict__["sampling_copy"] = replica.requires_grad_(False).eval()
     shards = dict(policy.named_parameters())
-    for name, parameter in copy.named_parameters():
+    for name, parameter in replica.named_parameters():
         parameter.copy_(full_tensor(shards[name].detach()))
-    return copy
+    return replica
 
 
 def clipped_grad_norm(model, max_norm: float) -> torch.Tensor:
@@ -2018,6 +2022,8 @@ def optimizer_state(model, optimizer) -> dict:
     """AdamW's state for a checkpoint; when sharded, whole (gathered) on rank 0, keyed by parameter name."""
     if not sharded(model):
         return optimizer.state_dict()
+    if not optimizer.state:  # no step taken yet (the same on every rank): torch would take a hidden one here
+        return {}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                cpu_offload=True))
@@ -2027,6 +2033,8 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
     """The inverse of optimizer_state: each rank takes its shard of the whole state."""
     if not sharded(model):
         optimizer.load_state_dict(state)
+        return
+    if not state:  # saved before any step: a fresh AdamW
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
@@ -2208,7 +2216,8 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict) -> None:
         """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints."""
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
-        (self.dir / "checkpoints").mkdir(exist_ok=True)
+        if main_process():
+            (self.dir / "checkpoints").mkdir(exist_ok=True)
         self.save_model(model, tokenizer, name, trainer_state={**state, "run_id": self.run_id}, dtype=None)
         for old in self.checkpoints()[: -self.cfg.keep_checkpoints] if main_process() else ():
             shutil.rmtree(old, ignore_errors=True)
@@ -2750,7 +2759,8 @@ def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
         parameters for the multi-tensor path (not used), two of the largest parameter's size for
         the CPU loop.
     With N > 1 processes (FSDP2): the 16 B/param and the frozen models are divided by N, and
-    autocast keeps no weight copy (its cache is off: the bf16 casts live one layer at a time);
+    autocast keeps no weight copy (its cache is off: the bf16 casts live one layer at a time; without
+    gradient checkpointing backward keeps every layer's, 2 B/param);
     each rank plays B*G/N episodes; and two parts are whole on every rank: the sampling copy of
     the policy (sampling_model: 2 B per Linear weight and 4 B per other weight on a GPU, 4 B on
     CPU) and, during a forward or backward, the gathered weights and gradients (fp32) of two
@@ -2786,7 +2796,8 @@ def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
         sampling_copy = 2 * linear + 4 * (n_params - linear) if device.type == "cuda" else 4 * n_params
         layer = sum(p.numel() for p in model.base_model.layers[0].parameters())
         gathered = 8 * (2 * layer + n_params - layers * layer)
-    parts = dict(policy_and_adam=(18 * n_params if processes == 1 else 16 * n_params / processes),
+    bf16_casts = 0 if cfg.gradient_checkpointing else 2 * n_params  # (sharded: kept for backward, whole)
+    parts = dict(policy_and_adam=(18 * n_params if processes == 1 else 16 * n_params / processes + bf16_casts),
                  frozen_models=frozen_bytes * n_params * n_frozen / processes, sampling_copy=sampling_copy,
                  kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
                  activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12, gathered=gathered,
@@ -3147,6 +3158,7 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        resume = f"python retireopd.py --resume {shlex.quote(str(Run.latest))}"
+        launcher = f"torchrun --nproc_per_node {world_size()}" if world_size() > 1 else "python"
+        resume = f"{launcher} retireopd.py --resume {shlex.quote(str(Run.latest))}"
         sys.exit(f"\n[retireopd] interrupted: continue with `{resume}` (from the last checkpoint)" if Run.latest
                  else "\n[retireopd] interrupted before the run folder was written: nothing to resume")

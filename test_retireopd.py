@@ -2614,7 +2614,8 @@ def test_the_sharded_update_is_the_one_process_update(tmp_path):
         assert torch.allclose(two["weights"][key], weight, atol=1e-5), key
 
 
-TORCHRUN_FLAGS = QUICK + ["--env", "webshop", "--batch-tasks", "2", "--mini-batch", "4", "--opd-mini-batch", "4"]
+TORCHRUN_FLAGS = QUICK + ["--env", "webshop", "--batch-tasks", "2", "--mini-batch", "4", "--opd-mini-batch", "4",
+                          "--eval-episodes", "5"]  # panels of 5, in chunks of B*G = 4: shares of 2+2, then 1+0
 
 
 def metrics_without_times(run_dir):
@@ -2633,6 +2634,8 @@ def test_two_processes_run_retireopd_on_webshop(tmp_path):
     for m in metrics:  # the global count: B*G = 4 episodes of `turns` turns each, 2 on each process
         assert m["samples"] == round(m["turns"] * 2 * 2) and m["samples"] >= 4
     assert all(m["gap"] is not None for m in metrics if m["phase"] == "student")
+    evaluations = R.read_jsonl(run_dir / "eval.jsonl")  # 6 validations and 2 reports, each of the whole panel
+    assert len(evaluations) == 8 and all(e["n"] == 5 for e in evaluations)
     student = R.transformers.AutoModelForCausalLM.from_pretrained(run_dir / "student")
     assert type(student).__name__ == "Qwen2ForCausalLM"
     assert json.loads((run_dir / "student" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
