@@ -2295,9 +2295,13 @@ class Run:
         write_text_atomically(self.dir / "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
 
     def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
-        """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak."""
+        """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after
+        a check that every rank fed the retirement rule the same numbers and took the same decision."""
         record["t_iteration"] = max_over_ranks(time.perf_counter() - started)
         record["peak_mem_gb"] = max_over_ranks(peak_memory_gb(device))
+        rule = {key: record.get(key) for key in ("gap", "val_success", "teacher_active", "retired")}
+        if len({json.dumps(part) for part in gather_objects(rule)}) > 1:  # (they come from gathered numbers)
+            raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {gather_objects(rule)}")
         self.log("metrics.jsonl", record)
 
     def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
