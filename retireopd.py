@@ -1584,13 +1584,11 @@ def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
         cols += range(len(prompt) - 1, len(sequence) - 1)  # position t predicts token t+1
         targets += response
     picked = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    if not sharded(model):
-        return score_tokens(model, input_ids, attention_mask, picked, torch.tensor(targets, device=device),
-                            cfg.logprob_chunk, with_entropy)
-    scored = model.score_tokens(input_ids, attention_mask, picked, torch.tensor(targets, device=device),
-                                cfg.logprob_chunk, with_entropy)
-    if not torch.is_grad_enabled():  # a forward no backward follows: FSDP keeps the root's weights gathered,
-        model.reshard()  # and a later training step then reduced wrong gradients for them (a test catches it)
+    forward = model.score_tokens if sharded(model) else functools.partial(score_tokens, model)
+    scored = forward(input_ids, attention_mask, picked, torch.tensor(targets, device=device), cfg.logprob_chunk,
+                     with_entropy)
+    if sharded(model) and not torch.is_grad_enabled():  # no backward follows: FSDP would keep the root's
+        model.reshard()  # weights gathered, and a later training step reduced wrong gradients for them
     return scored
 
 
@@ -2125,6 +2123,11 @@ def saved_model_problem(folder: Path) -> Optional[str]:
     return None
 
 
+def read_trainer_state(folder: Path) -> dict:
+    """A checkpoint's trainer.pt, memory-mapped (under torchrun every rank reads it; the pages are shared)."""
+    return torch.load(folder / "trainer.pt", weights_only=False, map_location="cpu", mmap=True)
+
+
 def format_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -2234,8 +2237,8 @@ class Run:
         note, and the one before it is tried. Under torchrun rank 0 chooses, and every rank loads it."""
         if not main_process():
             name = broadcast(None)
-            return (None, None) if name is None else (self.dir / "checkpoints" / name, torch.load(
-                self.dir / "checkpoints" / name / "trainer.pt", weights_only=False, map_location="cpu", mmap=True))
+            folder = None if name is None else self.dir / "checkpoints" / name
+            return (None, None) if folder is None else (folder, read_trainer_state(folder))
         folder, state = self.first_resumable_checkpoint()
         broadcast(folder.name if folder else None)
         return folder, state
@@ -2245,7 +2248,7 @@ class Run:
             problem, state = saved_model_problem(folder), None
             if problem is None:
                 try:
-                    state = torch.load(folder / "trainer.pt", weights_only=False, map_location="cpu", mmap=True)
+                    state = read_trainer_state(folder)
                 except Exception as error:  # cut short, missing, not a torch file: not resumable either way
                     problem = "trainer.pt does not load: " + (str(error).strip().splitlines() or ["?"])[0]
             if problem is None and state.get("run_id", self.run_id) != self.run_id:
@@ -2299,9 +2302,9 @@ class Run:
         a check that every rank fed the retirement rule the same numbers and took the same decision."""
         record["t_iteration"] = max_over_ranks(time.perf_counter() - started)
         record["peak_mem_gb"] = max_over_ranks(peak_memory_gb(device))
-        rule = {key: record.get(key) for key in ("gap", "val_success", "teacher_active", "retired")}
-        if len({json.dumps(part) for part in gather_objects(rule)}) > 1:  # (they come from gathered numbers)
-            raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {gather_objects(rule)}")
+        rules = gather_objects({key: record.get(key) for key in ("gap", "val_success", "teacher_active", "retired")})
+        if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)
+            raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {rules}")
         self.log("metrics.jsonl", record)
 
     def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
