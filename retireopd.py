@@ -406,11 +406,18 @@ def competence(success: float, previous_success: float, teacher_success: float) 
     return (success + previous_success) / (2 * teacher_success)
 
 
+ROUNDING = 1e-9  # a competence this close below rho counts as reaching it (a tie in exact arithmetic)
+
+
 def should_retire(progress: Optional[float], competence_ratio: Optional[float], threshold: float = 0.0,
                   rho: float = 0.9) -> bool:
-    """Both conditions: the criterion is valid, progress <= threshold and competence >= rho."""
+    """Both conditions: the criterion is valid, progress <= threshold and competence >= rho.
+
+    Competence is a ratio of panel fractions, so its exact value can be rho itself: (8/12 + 10/12) /
+    (2 * 10/12) is 0.9, but 0.8999999999999999 in floats. Such a tie retires here (competence >=
+    rho - ROUNDING); the authors' plain >= does not (README: Ours vs the authors' code)."""
     return progress is not None and competence_ratio is not None and progress <= threshold \
-        and competence_ratio >= rho
+        and competence_ratio >= rho - ROUNDING
 
 
 def teacher_success_rate(validations: list) -> float:
@@ -709,6 +716,8 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     mini_batch, kl_coef = phase_protocol(cfg, distilling=retirement is not None or frozen.teacher is not None)
     val_successes, first = restore_phase(resume, policy, optimizer, rng, device) if resume else ([], 0)
     iterations = phase_iterations(cfg, phase)
+    if resume is None:  # as the authors (verl's val_before_train): the starting model, before any update
+        validate(phase, -1, policy, tokenizer, suite, cfg, run, skills_in_prompt)
     bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True, initial=first,
                total=iterations, disable=not main_process())
     for iteration in bar:
@@ -722,13 +731,10 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
         if rule_active:
             record.update(retirement.observe_gap(iteration, record["gap"]))
         if validation_due(cfg, iteration, iterations):  # the fixed panel: feeds S_T (phase 1) and the rule
-            result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=skills_in_prompt,
-                              desc=f"{phase} validation")
-            run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation", **result})
-            record["val_success"] = result["overall"]
-            val_successes.append(result["overall"])
+            record.update(validate(phase, iteration, policy, tokenizer, suite, cfg, run, skills_in_prompt))
+            val_successes.append(record["val_success"])
             if rule_active:
-                record.update(retirement.observe_validation(iteration, result["overall"]))
+                record.update(retirement.observe_validation(iteration, record["val_success"]))
         if rule_active:
             retirement.observe_schedule(iteration)  # (--retire-at N)
         retired_now = rule_active and retirement.retired
@@ -871,23 +877,26 @@ WEBSHOP_SKILLS = {
 }
 
 
-# The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, an ingredient and
-# a way to cook it, and nothing in the task says which. The skills name it, so in this kitchen the
-# skills are decisive by construction: a teacher that reads them can win from the first try, a
-# student without them must learn every recipe from reward (or from the teacher).
-KITCHEN_INGREDIENTS = ("salt", "sugar", "pepper", "honey")
-KITCHEN_METHODS = ("boil", "bake", "fry", "chill")
+# The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, a seasoning and a
+# way to cook it, and nothing in the task says which. The teacher's skills are the kitchen's notes,
+# and like real strategy notes they are incomplete: they name each dish's seasoning, never how to
+# cook it. So the base model with skills wins 1 dish in 4 (it guesses the way to cook); phase 1's RL
+# has to find the rest (the teacher ends imperfect where it has not yet), and a student without
+# notes must find both by trial (1 in 36 per dish) or learn them from the teacher.
+KITCHEN_INGREDIENTS = ("salt", "sugar", "pepper", "honey", "vinegar", "ginger")
+KITCHEN_METHODS = ("boil", "bake", "fry", "chill", "roast", "steam")
 KITCHEN_RECIPES = {"brask": ("honey", "fry"), "dorl": ("salt", "chill"), "fimble": ("pepper", "bake"),
-                   "grue": ("sugar", "boil"), "nallow": ("salt", "bake"), "trisk": ("honey", "chill")}
+                   "grue": ("sugar", "boil"), "nallow": ("vinegar", "roast"), "trisk": ("ginger", "steam")}
 
 
-def kitchen_recipe(dish: str, ingredient: str, method: str) -> str:
-    return f"Recipe for a {dish}: {ingredient.capitalize()} it, then {method.capitalize()} it."
+def kitchen_note(dish: str, ingredient: str) -> str:
+    return f"Recipe for a {dish}: {ingredient.capitalize()} it, then cook it."
 
 
 KITCHEN_SKILLS = {
-    "general": ["First season the dish, then cook it, both as its recipe says; a wrong choice ruins the dish."],
-    **{dish: [kitchen_recipe(dish, *recipe)] for dish, recipe in KITCHEN_RECIPES.items()},
+    "general": ["First season the dish as its note says, then cook it; a wrong choice ruins the dish. The "
+                "notes do not say how to cook each dish."],
+    **{dish: [kitchen_note(dish, ingredient)] for dish, (ingredient, _) in KITCHEN_RECIPES.items()},
 }
 SKILLS = {"alfworld": ALFWORLD_SKILLS, "webshop": WEBSHOP_SKILLS, "kitchen": KITCHEN_SKILLS}
 
@@ -927,9 +936,10 @@ def kitchen_dish(task: int, recipes: Optional[dict] = None) -> str:
 
 class KitchenEnv:
     """One dish in the kitchen, in the interface above: two decisions, an ingredient ("honey the
-    brask") and a way to cook it ("fry the brask"). The right one moves on, a wrong admissible one
-    ruins the dish (the episode ends, lost), an inadmissible command changes nothing. Won: both
-    right (reward 1). The commands name the dish just before the choice, as ALFWorld's name objects."""
+    brask") and a way to cook it ("fry the brask"), then the dish is served: won (reward 1) iff
+    both were right; a wrong one ruins it, which shows only when it is served. An inadmissible
+    command changes nothing. The commands name the dish just before the choice, as ALFWorld's
+    name objects."""
 
     def __init__(self, task: int, recipes: Optional[dict] = None):
         self.recipes = recipes or KITCHEN_RECIPES
@@ -944,25 +954,26 @@ class KitchenEnv:
         self.order.shuffle(self.admissible)
 
     def reset(self):
-        self.step_index, self.done = 0, False
+        self.seasoning, self.done = None, False
         self.order = random.Random(self.task)  # the admissible order of this task's two steps
         self._offer([f"{ingredient} the {self.dish}" for ingredient in KITCHEN_INGREDIENTS])
         return "You stand at the stove. The pot is empty.", self._info()
 
     def step(self, action: str):
-        ingredient, method = self.recipes[self.dish]
-        right = f"{ingredient} the {self.dish}" if self.step_index == 0 else f"{method} the {self.dish}"
         if self.done or action not in self.admissible:
             return "Nothing happens.", 0.0, self.done, self._info()
-        if action != right:
-            self.done, self.admissible = True, []
-            return f"The {self.dish} is ruined.", 0.0, True, self._info()
-        if self.step_index == 0:
-            self.step_index = 1
+        choice = action.split()[0]
+        if self.seasoning is None:
+            self.seasoning = choice
             self._offer([f"{m} the {self.dish}" for m in KITCHEN_METHODS])
-            return f"The {self.dish} is seasoned with {ingredient}.", 0.0, False, self._info()
+            return f"The {self.dish} is seasoned with {choice}.", 0.0, False, self._info()
         self.done, self.admissible = True, []
-        return f"The {self.dish} is ready!", 1.0, True, self._info(won=True)
+        if (self.seasoning, choice) == self.recipes[self.dish]:
+            return f"The {self.dish} is ready!", 1.0, True, self._info(won=True)
+        return f"The {self.dish} is ruined.", 0.0, True, self._info()
+
+
+KITCHEN_PANEL = (8, 16)  # episodes per dish: validation (48), report (96); one episode moves them 0.02, 0.01
 
 
 class TaskSuite:
@@ -992,8 +1003,8 @@ class TaskSuite:
         elif cfg.env == "kitchen":
             dishes = range(len(KITCHEN_RECIPES))
             self.train = [d * 1000 + v for d in dishes for v in range(100)]
-            self.validation_panel = [d * 1000 + 500 + v for v in range(2) for d in dishes][:cap]
-            self.report_panel = [d * 1000 + 500 + v for v in range(4) for d in dishes][:cap]
+            self.validation_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[0]) for d in dishes][:cap]
+            self.report_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[1]) for d in dishes][:cap]
         else:
             import webshop_env
             self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
@@ -1232,9 +1243,9 @@ CHATML_TEMPLATE = (
 # full teacher prompts, random recipes); the recipes of twelve dishes it "knows" (invented ones);
 # and, for dishes it has never heard of, guessing (random targets). The demo's six dishes appear
 # only with random recipes (in reading examples and as unknown dishes), so the warm-started model
-# knows none of their recipes: without skills it is at chance (1/16 per dish), and with skills it
-# reads the ingredient but guesses the way to cook it (1/4). Everything above that is learned by
-# RL (the teacher's reading of the second step in phase 1) and by RL and OPD (the student).
+# knows none of their recipes: without skills it is at chance (1/36 per dish), and with skills it
+# reads the ingredient but guesses the way to cook it (1/6). Everything above that is learned by
+# RL (the teacher finding each way to cook in phase 1) and by RL and OPD (the student).
 WARM_START_DISHES = ("brindle", "clomp", "drubble", "fennick", "gorse", "hoplin", "jibber", "krell",
                      "lummox", "nubbin", "pordle", "quorn")
 
@@ -1246,8 +1257,16 @@ WARM_START_UNKNOWN = ("arbel", "bosk", "cwill", "dimp", "eskar", "flon", "gwint"
                       "jusk", "kemp", "loam")
 
 
-WARM_START_RECIPES = {dish: (_known.choice(KITCHEN_INGREDIENTS), _known.choice(KITCHEN_METHODS))
-                      for dish in WARM_START_DISHES}
+def balanced(choices: tuple, n: int, rng: random.Random) -> list:
+    """n picks from choices, each as often as n allows (shuffled): a base model that knows recipes
+    of these dishes favours no seasoning and no way to cook on a dish it does not know."""
+    picks = [choices[k % len(choices)] for k in range(n)]
+    rng.shuffle(picks)
+    return picks
+
+
+WARM_START_RECIPES = dict(zip(WARM_START_DISHES, zip(balanced(KITCHEN_INGREDIENTS, len(WARM_START_DISHES), _known),
+                                                      balanced(KITCHEN_METHODS, len(WARM_START_DISHES), _known))))
 
 
 WARM_START_ANSWER = "<think>the next step</think><action>{}</action>"
@@ -1256,8 +1275,8 @@ WARM_START_ANSWER = "<think>the next step</think><action>{}</action>"
 def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
     """(user message, answer) of one warm-start example.
 
-    kind "short": a random recipe's line and the first step's admissible actions; "skills": the
-    full teacher prompt with a random recipe, at the first step (reading). "known": a full prompt
+    kind "short": a random note (kitchen_note: the seasoning) and the first step's admissible
+    actions; "skills": the full teacher prompt with a random note, at the first step (reading). "known": a full prompt
     without skills for one of WARM_START_DISHES, answered by its fixed recipe, at either step;
     "unknown": the same for an unknown dish or one of the demo's, answered by a random step
     (nothing to know: the model stays uncertain there, and so explores).
@@ -1279,7 +1298,7 @@ def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
         history = [(observation, right)]
         observation, _, _, info = episode.step(right)
         right = f"{method} the {dish}"
-    recipe = "- " + kitchen_recipe(dish, ingredient, method)
+    recipe = "- " + kitchen_note(dish, ingredient)
     if kind == "short":
         message = recipe + "\n\nAdmissible actions: " + ", ".join(f"'{a}'" for a in info["admissible"])
     else:
@@ -2411,6 +2430,24 @@ def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
     return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == iterations
 
 
+def validate(phase: str, iteration: int, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run,
+             skills: bool) -> dict:
+    """A validation on the fixed panel, logged to eval.jsonl (iteration -1: before the phase's first
+    update). With skills (phase 1, the teacher) it is played twice, as the authors do: with skills
+    (what S_T reads) and without. Returns {"val_success": ...} (and "val_success_no_skills")."""
+    out = {}
+    for with_skills in (True, False) if skills else (False,):
+        result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=with_skills,
+                          desc=f"{phase} validation" + ("" if with_skills == skills else " (no skills)"))
+        run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation",
+                               **({"before_training": True} if iteration < 0 else {}), **result})
+        out["val_success" if with_skills == skills else "val_success_no_skills"] = result["overall"]
+    if iteration < 0:
+        tqdm.write(f"[retireopd] {phase} before training: validation {out['val_success']:.2f}"
+                   + (f" with skills, {out['val_success_no_skills']:.2f} without" if skills else ""))
+    return out
+
+
 @contextlib.contextmanager
 def timed(record: dict, key: str):
     """Add the seconds the block took to record[key] (the per-stage times of metrics.jsonl)."""
@@ -2532,8 +2569,8 @@ TINY_PRESET_ELSEWHERE = dict(warm_start=0, teacher_iterations=None, iterations=1
 
 TINY_PRESET = dict(
     env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
-    group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=16, opd_mini_batch=16,
-    window=3, eval_every=3, lr=5e-4, lr_warmup_steps=30, entropy_coef=0.0, kl_coef=0.0, opd_coef=0.1,
+    group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=32, opd_mini_batch=32,
+    window=2, eval_every=2, lr=5e-4, lr_warmup_steps=10, entropy_coef=0.0, kl_coef=0.3, opd_coef=10.0,
 )
 
 
@@ -3135,8 +3172,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         raise SystemExit(f"retireopd: {checkpoint} was written by {state.get('world_size', 1)} process(es): resume "
                          f"it with as many (torchrun --nproc_per_node {state.get('world_size', 1)}, or python for 1)")
     if resume_dir:
-        run.truncate_logs(state["phase"] if state else PHASES[0], state["iteration"] if state else -1,
-                          finished=run.finished_phases())
+        run.truncate_logs(state["phase"] if state else PHASES[0], state["iteration"] if state else -2,
+                          finished=run.finished_phases())  # (-2: nothing done; -1 is the validation before training)
         run.log("events.jsonl", {"event": "resume", "checkpoint": checkpoint.name if checkpoint else None})
         print(f"[retireopd] resuming {run.dir} from checkpoint {checkpoint.name}" if checkpoint else
               f"[retireopd] {run.dir} has no checkpoint yet (the first is written after "

@@ -279,6 +279,20 @@ def test_rule_pieces_hand_computed():
     assert R.should_retire(0.05, 0.5, threshold=0.1, rho=0.5)
 
 
+def test_a_competence_of_rho_up_to_float_rounding_retires():
+    # 12-episode panels: S = 8/12 and 10/12 with S_T = 10/12 give (8/12 + 10/12) / (2 * 10/12) = 18/20 = 0.9
+    # exactly, but 0.8999999999999999 in floats. The rule treats it as the tie it is (README: Ours vs the
+    # authors' code); one notch of a 1000-episode panel below rho is not a tie.
+    tie = R.competence(8 / 12, 10 / 12, 10 / 12)
+    assert tie < 0.9 and tie == pytest.approx(0.9, abs=1e-15)
+    assert R.should_retire(-0.1, tie)
+    assert not R.should_retire(-0.1, 0.9 - 0.001)
+    assert not R.should_retire(-0.1, 0.9 - 1e-8)
+    state = R.Retirement(teacher_success=10 / 12, window=1)  # the same tie through the state machine
+    drive(state, [0.3, 0.3], {0: 8 / 12, 1: 10 / 12})
+    assert state.retired and state.retired_at == 2
+
+
 def drive(state, gaps, validations):
     """Feed K per iteration and validation successes {iteration: S}; return the logged records."""
     records = []
@@ -743,7 +757,14 @@ def test_every_algo_runs_to_completion(tmp_path, algo, env):
     assert evals and all("overall" in e and e["seed"] == 12345 for e in evals)
     if algo == "skill-grpo":  # the teacher's report is with and without its skills
         assert {e["skills"] for e in evals if e["panel"] == "report"} == {True, False}
-    assert [e["iteration"] for e in evals if e["panel"] == "validation"] == [0, 1, 2] * (len(expected) // 3)
+    # a validation before the first update of each phase (the authors' val_before_train), then after every
+    # iteration (--eval-every 1); the teacher's, as the authors', with its skills and without
+    validations = [(e["phase"], e["iteration"], e["skills"]) for e in evals if e["panel"] == "validation"]
+    teacher_validations = [("teacher", k, skills) for k in (-1, 0, 1, 2) for skills in (True, False)]
+    student_validations = [("student", k, False) for k in (-1, 0, 1, 2)]
+    assert validations == {"grpo": student_validations, "skill-grpo": teacher_validations}.get(
+        algo, teacher_validations + student_validations)
+    assert all(bool(e.get("before_training")) == (e["iteration"] == -1) for e in evals if e["panel"] == "validation")
     retirements = [e for e in events if e["event"] == "retirement"]
     students = [m for m in metrics if m["phase"] == "student"]
     if algo in ("opd", "grpo+opd", "retireopd"):  # not retired (competence 0): the teacher scores every iteration
@@ -1426,6 +1447,9 @@ def test_resume_before_the_first_checkpoint_starts_over_without_duplicates(tmp_p
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
     R.main(["--resume", str(run_dir)])
     assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
+    validations = [(e["iteration"], e["skills"]) for e in R.read_jsonl(run_dir / "eval.jsonl")
+                   if e["panel"] == "validation"]
+    assert validations == [(k, False) for k in (-1, 0, 1, 2)]  # the one before training too, once
     with pytest.raises(SystemExit, match="--group-size"):  # a resume may not change the config
         R.main(["--resume", str(run_dir), "--group-size", "4"])
     assert R.resume_config(str(run_dir), {"env_workers": 3}).env_workers == 3  # only how it runs
@@ -2362,17 +2386,23 @@ def test_kitchen_rules_one_step_at_a_time():
     assert (reward, done, observation) == (0.0, False, "The dorl is seasoned with salt.")
     assert sorted(info["admissible"]) == sorted(f"{m} the dorl" for m in R.KITCHEN_METHODS)
     observation, reward, done, info = episode.step("chill the dorl")
-    assert (reward, done, info["won"]) == (1.0, True, True)
-    ruined = R.KitchenEnv(dorl)
-    ruined.reset()
-    observation, reward, done, info = ruined.step("sugar the dorl")  # a wrong admissible choice
-    assert (reward, done, info["won"], observation) == (0.0, True, False, "The dorl is ruined.")
+    assert (reward, done, info["won"], observation) == (1.0, True, True, "The dorl is ready!")
+    assert episode.step("chill the dorl")[:3] == ("Nothing happens.", 0.0, True)  # served: nothing more
+    for wrong in (("sugar the dorl", "chill the dorl"), ("salt the dorl", "fry the dorl")):
+        ruined = R.KitchenEnv(dorl)
+        ruined.reset()
+        observation, reward, done, info = ruined.step(wrong[0])  # a wrong seasoning shows only when served
+        assert (reward, done, observation) == (0.0, False, f"The dorl is seasoned with {wrong[0].split()[0]}.")
+        observation, reward, done, info = ruined.step(wrong[1])
+        assert (reward, done, info["won"], observation) == (0.0, True, False, "The dorl is ruined.")
 
 
-def test_kitchen_skills_are_decisive_and_the_student_prompt_says_nothing():
+def test_kitchen_notes_name_the_seasoning_only_and_the_student_prompt_says_nothing():
     assert len(set(R.KITCHEN_RECIPES.values())) == len(R.KITCHEN_RECIPES)  # ignoring the dish cannot win all
     for k, (dish, (ingredient, method)) in enumerate(sorted(R.KITCHEN_RECIPES.items())):
-        assert f"{ingredient.capitalize()} it, then {method.capitalize()} it" in R.skill_text("kitchen", dish)
+        skills = R.skill_text("kitchen", dish)
+        assert f"{dish}: {ingredient.capitalize()} it" in skills  # the seasoning, as the recipe says
+        assert not any(m in skills.lower() for m in R.KITCHEN_METHODS)  # never the way to cook it
         observation, info = R.KitchenEnv(k * 1000).reset()
         student = R.build_user_message("kitchen", info["task"], 0, [], observation, info["admissible"])
         assert ingredient.capitalize() not in student and method.capitalize() not in student
@@ -2380,8 +2410,10 @@ def test_kitchen_skills_are_decisive_and_the_student_prompt_says_nothing():
 
 def test_kitchen_panels_cover_every_dish_and_are_not_trained_on():
     suite = R.TaskSuite(R.parse_config({"model": "tiny", "run_dir": "/tmp/unused"}))
-    assert Counter(suite.task_type(t) for t in suite.validation_panel) == Counter({d: 2 for d in R.KITCHEN_RECIPES})
-    assert Counter(suite.task_type(t) for t in suite.report_panel) == Counter({d: 4 for d in R.KITCHEN_RECIPES})
+    validation, report = R.KITCHEN_PANEL
+    assert Counter(suite.task_type(t) for t in suite.validation_panel) == Counter({d: validation for d in R.KITCHEN_RECIPES})
+    assert Counter(suite.task_type(t) for t in suite.report_panel) == Counter({d: report for d in R.KITCHEN_RECIPES})
+    assert len(suite.validation_panel) >= 48  # one episode moves a validation by at most 0.021
     assert not set(suite.train) & set(suite.report_panel) and set(suite.validation_panel) <= set(suite.report_panel)
 
 
@@ -2399,10 +2431,13 @@ def test_warm_start_teaches_reading_and_other_dishes_never_the_demo_recipes():
         if kind == "known":
             assert action.split()[0] in {*R.WARM_START_RECIPES[action.split()[-1]]}
         dish = action.split()[-1]
-        if dish in R.KITCHEN_RECIPES:  # a demo dish: its true step comes up at chance, 1 in 4
+        if dish in R.KITCHEN_RECIPES:  # a demo dish: its true step comes up at chance
             assert kind != "known"
             hits[R.KITCHEN_RECIPES[dish][0] == action.split()[0] or R.KITCHEN_RECIPES[dish][1] == action.split()[0]] += 1
-    assert 0.2 < hits[True] / sum(hits.values()) < 0.3
+    assert 0.14 < hits[True] / sum(hits.values()) < 0.19  # 1 in 6, a seasoning or a way to cook
+    known = list(R.WARM_START_RECIPES.values())  # the known dishes favour no seasoning and no way to cook
+    assert Counter(i for i, _ in known) == Counter({i: 2 for i in R.KITCHEN_INGREDIENTS})
+    assert Counter(m for _, m in known) == Counter({m: 2 for m in R.KITCHEN_METHODS})
 
 
 def demo_episodes(model, tok, suite, tasks, cfg):
@@ -2432,49 +2467,57 @@ def demo_run(tmp_path_factory, tiny_base):
 @pytest.mark.parametrize("sign", [1, -1], ids=["grpo", "grpo-with-the-advantage-sign-flipped"])
 def test_grpo_learns_the_kitchen_and_fails_with_the_advantage_sign_flipped(tiny_base, tmp_path, monkeypatch, sign):
     # cleanRL's habit: the algorithm must learn. From the warm-started base, GRPO alone (no teacher)
-    # on two dishes: validation success rises by a clear margin in a dozen iterations. The same
-    # run with the sign of every advantage flipped must not learn (the check that the test can fail).
+    # on two dishes: validation success rises by a clear margin in 16 iterations. The same run with
+    # the sign of every advantage flipped must not learn (the check that the test can fail).
     real = R.grpo_advantages
     monkeypatch.setattr(R, "grpo_advantages", lambda *a, **k: sign * real(*a, **k))
-    cfg = R.parse_config({"model": "tiny", "run_dir": str(tmp_path), "iterations": 12, "batch_tasks": 4,
-                          "eval_every": 3, "save_every": 0})
+    cfg = R.parse_config({"model": "tiny", "run_dir": str(tmp_path), "iterations": 16, "eval_every": 2,
+                          "save_every": 0})
     model, tok = R.load_policy(str(tiny_base), torch.device("cpu"), torch.float32)
     suite = R.TaskSuite(cfg)
     suite.train = [t for t in suite.train if t // 1000 in (0, 1)]  # brask and dorl
-    panel = [d * 1000 + 500 + v for d in (0, 1) for v in range(4)]
-    before = demo_episodes(model, tok, suite, panel, cfg)
+    suite.validation_panel = [d * 1000 + 500 + v for d in (0, 1) for v in range(8)]
+    before = demo_episodes(model, tok, suite, suite.validation_panel, cfg)
     R.train_phase("student", model, tok, suite, cfg, R.Run(cfg), skills_in_prompt=False,
                   frozen=R.FrozenModels())
-    after = demo_episodes(model, tok, suite, panel, cfg)
+    after = demo_episodes(model, tok, suite, suite.validation_panel, cfg)
     print(f"GRPO on two dishes, advantage sign {sign:+d}: validation {before} -> {after}")
-    if sign == 1:  # measured: 0.0 -> 0.5 (and 0.125 -> 0.0 with the sign flipped)
+    if sign == 1:  # measured: MEASURED_GRPO
         assert after >= before + 0.25, (before, after)
     else:
         assert after <= before, (before, after)
 
 
 @pytest.mark.slow
-def test_demo_shows_the_whole_story(demo_run):
-    metrics = R.read_jsonl(demo_run / "metrics.jsonl")
-    teacher_val = [m["val_success"] for m in metrics if m["phase"] == "teacher" and "val_success" in m]
-    student = [m for m in metrics if m["phase"] == "student"]
-    student_val = [m["val_success"] for m in student if "val_success" in m]
+def test_demo_tells_the_story(demo_run):
+    # what the kitchen's design makes hold on every seed (docs/labs.md and the README have the
+    # counts over seeds): skills alone are not a teacher, phase 1 makes one, the student starts far
+    # below it, the teacher is retired by the authors' rule, and the retired student ends above S_T
+    evals = R.read_jsonl(demo_run / "eval.jsonl")
+    before = {e["skills"]: e["overall"] for e in evals if e.get("before_training") and e["phase"] == "teacher"}
+    teacher_val = [e["overall"] for e in evals if e["phase"] == "teacher" and e["panel"] == "validation"
+                   and e["skills"] and not e.get("before_training")]
+    student_val = [e["overall"] for e in evals if e["phase"] == "student" and e["panel"] == "validation"]
+    report = {(e["phase"], e["skills"]): e for e in evals if e["panel"] == "report"}
     s_t = json.loads((demo_run / "teacher" / "retireopd.json").read_text())["teacher_success"]
     (retirement,) = [e for e in R.read_jsonl(demo_run / "events.jsonl") if e["event"] == "retirement"]
-    assert max(teacher_val) >= teacher_val[0] + 0.25          # 1. the teacher learns to use its skills
-    assert teacher_val[-1] > teacher_val[0]
-    assert s_t > 0 and s_t == sum(teacher_val[-2:]) / 2        # 2. S_T, recorded
-    assert student_val[0] <= s_t / 2                           # 3. the student starts far below it
+    assert before[True] <= 0.3 and before[False] <= 0.1     # 1. the base model: notes help a little
+    assert s_t == sum(teacher_val[-2:]) / 2                  # 2. S_T, recorded
+    assert s_t >= before[True] + 0.15                        #    phase 1 makes the teacher
+    assert s_t <= 5 / 6                                      #    which ends imperfect (it is short)
+    assert student_val[0] <= s_t / 2                         # 3. the student starts far below it
     assert retirement["rule"] == "adaptive" and retirement["criterion_valid"]  # 4. by the authors' rule
-    assert retirement["progress"] <= 0 and retirement["competence"] >= 0.9
-    after = [m for m in student if m["iteration"] >= retirement["retired_at"]]
+    assert retirement["progress"] <= 0 and retirement["competence"] >= 0.9 - R.ROUNDING
+    metrics = R.read_jsonl(demo_run / "metrics.jsonl")
+    after = [m for m in metrics if m["phase"] == "student" and m["iteration"] >= retirement["retired_at"]]
     assert after and all(not m["teacher_active"] and m["opd_coef"] == 0 for m in after)
-    assert student_val[-1] >= s_t                              # 5. the student ends at or above S_T
+    assert report[("student", False)]["overall"] > s_t      # 5. the retired student passes its teacher
+    assert report[("student", False)]["overall"] > report[("teacher", True)]["overall"]
 
 
 @pytest.mark.slow
 def test_demo_retirement_is_the_rule_applied_to_the_logged_numbers(demo_run):
-    # re-derive the decision from metrics.jsonl alone: blocks of W gaps, judged FIFO at validations
+    # re-derive the decision from metrics.jsonl alone: blocks of W gaps, judged at validations
     cfg = json.loads((demo_run / "config.json").read_text())
     s_t = json.loads((demo_run / "teacher" / "retireopd.json").read_text())["teacher_success"]
     window, blocks, pending, judged, previous, decided = cfg["window"], [], [], 0, None, None
@@ -2488,7 +2531,7 @@ def test_demo_retirement_is_the_rule_applied_to_the_logged_numbers(demo_run):
                 progress = (previous[0] - blocks[judged]) / previous[0]
                 competence = (m["val_success"] + previous[1]) / (2 * s_t)
                 assert m["progress"] == pytest.approx(progress) and m["competence"] == pytest.approx(competence)
-                if decided is None and progress <= cfg["alignment_threshold"] and competence >= cfg["rho"]:
+                if decided is None and progress <= cfg["alignment_threshold"] and competence >= cfg["rho"] - 1e-9:
                     decided = m["iteration"]
             previous, judged = (blocks[judged], m["val_success"]), judged + 1
     (retirement,) = [e for e in R.read_jsonl(demo_run / "events.jsonl") if e["event"] == "retirement"]
