@@ -1,0 +1,241 @@
+"""The offline demo's story over seeds: every --algo of the kitchen, per seed, in one table and one figure.
+
+    python study.py                                    # seeds 0-4, two runs at a time, into runs/study
+    python study.py --seeds 5 6 7 --jobs 1 --out runs/check
+    python study.py --figure docs/demo_compare.png     # also regenerate the README's figure
+
+For each seed it runs `python retireopd.py --model tiny --seed S` (phase 1, then RetireOPD's phase 2),
+then, reusing that seed's teacher (`--teacher`, so phase 1 runs once per seed), phase 2 of
+`grpo+opd`, `opd`, `--retire-at` early and late, and `--algo grpo` (no teacher). The warm-started
+base model is built once and copied into every run folder (it is the same for every seed). Each run
+is its own run folder under OUT/seed<S>/<variant>; a finished one is reused, an interrupted one
+resumed, so the study can be stopped and started again. The table reads the run folders' logs:
+
+    base+skills, base    the base model's validation before phase 1, with and without skills
+    S_T                  the teacher's validation success with skills (the mean of its last two)
+    teacher              the teacher's report with skills (the report panel, end of phase 1)
+    retired              the first phase-2 iteration RetireOPD ran without the teacher (- never)
+    retireopd ... grpo   each student's report (the report panel, end of phase 2)
+
+and below it each claim of the paper, with the seeds on which it holds and its mean margin. Runs
+differ between machines (RL amplifies float differences between CPUs), so the claims are counted
+over seeds, never read off one seed. Every flag after `--` goes to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# variant -> the flags of its run (beside --model tiny --seed S); TEACHER and EARLY/LATE are filled in
+VARIANTS = {
+    "retireopd": ["--algo", "retireopd"],  # phase 1 (the teacher) and RetireOPD's phase 2
+    "grpo+opd": ["--algo", "grpo+opd", "--teacher", "TEACHER"],  # never retired
+    "opd": ["--algo", "opd", "--teacher", "TEACHER"],  # pure distillation
+    "grpo": ["--algo", "grpo"],  # the RL baseline, no teacher
+    "retire-early": ["--algo", "retireopd", "--teacher", "TEACHER", "--retire-at", "EARLY"],
+    "retire-late": ["--algo", "retireopd", "--teacher", "TEACHER", "--retire-at", "LATE"],
+}
+# (name, the two columns it compares, at-or-below allowed): margin = first - second
+CLAIMS = [
+    ("phase 1 makes the teacher: S_T above the base model with skills", "S_T", "base+skills"),
+    ("never retired caps the student: retireopd above grpo+opd", "retireopd", "grpo+opd"),
+    ("pure distillation stays at or below its teacher: S_T minus opd", "S_T", "opd"),
+    ("the retired student passes its teacher: retireopd above S_T", "retireopd", "S_T"),
+    ("... and GRPO alone: retireopd above grpo", "retireopd", "grpo"),
+]
+
+
+def read_jsonl(path: Path) -> list:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a last line cut short by a crash: the run will be resumed
+    return records
+
+
+def finished(run_dir: Path) -> bool:
+    return any(e.get("event") == "done" for e in read_jsonl(run_dir / "events.jsonl"))
+
+
+def command(variant: str, seed: int, run_dir: Path, teacher: Path, early: int, late: int, extra: list) -> list:
+    flags = [{"TEACHER": str(teacher), "EARLY": str(early), "LATE": str(late)}.get(f, f) for f in VARIANTS[variant]]
+    if (run_dir / "config.json").is_file():  # started before: continue it (a finished run is not started)
+        return [sys.executable, str(HERE / "retireopd.py"), "--resume", str(run_dir)]
+    return [sys.executable, str(HERE / "retireopd.py"), "--model", "tiny", "--seed", str(seed), "--run-dir",
+            str(run_dir), *flags, *extra]
+
+
+def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: list, variants: list) -> float:
+    """Run every (seed, variant) not finished yet, `jobs` at a time, each when what it needs exists:
+    the warm-started base (built by the first seed's retireopd run) and, for the variants that reuse
+    it, its seed's teacher. Returns the wall time in seconds."""
+    started = time.time()
+    base = out / f"seed{seeds[0]}" / "retireopd" / "tiny_base"
+    todo = [(seed, variant) for variant in variants for seed in seeds]  # every seed's teacher first
+    todo = [job for job in todo if not finished(out / f"seed{job[0]}" / job[1])]
+    running: dict = {}
+    while todo or running:
+        for job, (process, log) in list(running.items()):
+            if process.poll() is not None:
+                log.close()
+                del running[job]
+                if process.returncode != 0:
+                    raise SystemExit(f"study: seed {job[0]} {job[1]} failed (exit {process.returncode}); see "
+                                     f"{out / f'seed{job[0]}' / (job[1] + '.log')}")
+                print(f"[study] done: seed {job[0]} {job[1]} ({time.time() - started:.0f}s)", flush=True)
+        for job in list(todo):
+            if len(running) >= jobs:
+                break
+            seed, variant = job
+            run_dir, teacher = out / f"seed{seed}" / variant, out / f"seed{seed}" / "retireopd" / "teacher"
+            first = (seed, variant) == (seeds[0], "retireopd")
+            if not first and not (base / "retireopd.json").is_file():
+                continue  # the base model is not built yet
+            if "TEACHER" in VARIANTS[variant] and not (teacher / "retireopd.json").is_file():
+                continue
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            if not first and not (run_dir / "tiny_base").exists():
+                run_dir.mkdir(exist_ok=True)
+                shutil.copytree(base, run_dir / "tiny_base")
+            log = open(run_dir.parent / f"{variant}.log", "a")
+            process = subprocess.Popen(command(variant, seed, run_dir, teacher, early, late, extra), cwd=HERE,
+                                       stdout=log, stderr=subprocess.STDOUT)
+            running[job] = (process, log)
+            todo.remove(job)
+            print(f"[study] started: seed {seed} {variant}", flush=True)
+        time.sleep(1)
+    return time.time() - started
+
+
+def report(run_dir: Path, phase: str, skills: bool):
+    """The report panel's success of `phase` (with or without skills), or None."""
+    for record in read_jsonl(run_dir / "eval.jsonl"):
+        if record.get("panel") == "report" and record["phase"] == phase and record["skills"] == skills:
+            return record["overall"]
+    return None
+
+
+def seed_row(folder: Path) -> dict:
+    """One seed's columns (see the module docstring), read from its run folders."""
+    full = folder / "retireopd"
+    before = {r["skills"]: r["overall"] for r in read_jsonl(full / "eval.jsonl")
+              if r.get("before_training") and r["phase"] == "teacher"}
+    teacher = json.loads((full / "teacher" / "retireopd.json").read_text())
+    retired = [e["retired_at"] for e in read_jsonl(full / "events.jsonl") if e["event"] == "retirement"]
+    row = {"base+skills": before.get(True), "base": before.get(False), "S_T": teacher["teacher_success"],
+           "teacher": report(full, "teacher", True), "retired": retired[0] if retired else None}
+    for variant in VARIANTS:
+        row[variant] = report(folder / variant, "student", False)
+    return row
+
+
+def claims(rows: dict) -> list:
+    """(claim, seeds on which it holds, number of seeds, mean margin) for each claim in CLAIMS. A
+    claim holds on a seed when its margin is > 0 (for 'at or below': >= 0)."""
+    out = []
+    for name, first, second in CLAIMS:
+        margins = [row[first] - row[second] for row in rows.values()
+                   if row.get(first) is not None and row.get(second) is not None]
+        holds = sum(m >= 0 if "at or below" in name else m > 0 for m in margins)
+        out.append((name, holds, len(margins), sum(margins) / len(margins) if margins else float("nan")))
+    return out
+
+
+def format_table(rows: dict) -> str:
+    columns = ["base+skills", "base", "S_T", "teacher", "retired", *VARIANTS]
+    fmt = lambda v: "-" if v is None else (str(v) if isinstance(v, int) else f"{v:.2f}")  # noqa: E731
+    lines = ["| seed | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    lines += [f"| {seed} | " + " | ".join(fmt(row[c]) for c in columns) + " |" for seed, row in rows.items()]
+    lines += ["", "| claim | seeds | mean margin |", "|---|---|---|"]
+    lines += [f"| {name} | {holds} of {n} | {margin:+.2f} |" for name, holds, n, margin in claims(rows)]
+    return "\n".join(lines)
+
+
+def draw(rows: dict, out: Path, figures: list) -> None:
+    """Every run's phase 2 (its validations), one panel per seed, with S_T and the retirement marked."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[study] no figure: `pip install matplotlib`")
+        return
+    seeds = list(rows)
+    cols = min(len(seeds), 3)
+    fig, axes = plt.subplots((len(seeds) + cols - 1) // cols, cols, figsize=(4.2 * cols, 3.2 * ((len(seeds) + cols - 1)
+                             // cols)), sharey=True, squeeze=False)
+    for ax, seed in zip(axes.flat, seeds):
+        for n, variant in enumerate(VARIANTS):
+            points = [(r["iteration"], r["overall"]) for r in read_jsonl(out / f"seed{seed}" / variant / "eval.jsonl")
+                      if r["phase"] == "student" and r["panel"] == "validation"]
+            if points:
+                ax.plot(*zip(*points), "o-" if variant == "retireopd" else ".-", color=f"C{n}", markersize=3,
+                        linewidth=2 if variant == "retireopd" else 1, label=variant)
+        ax.axhline(rows[seed]["S_T"], color="black", linestyle="--", linewidth=1, label="S_T (teacher)")
+        if rows[seed]["retired"] is not None:
+            ax.axvline(rows[seed]["retired"] - 0.5, color="C0", linestyle=":", linewidth=1, label="retired (rule)")
+        ax.set_title(f"seed {seed}", fontsize=9)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("phase-2 iteration", fontsize=8)
+    for ax in axes.flat[len(seeds):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("student validation success")
+    axes[0][0].legend(fontsize=6, loc="lower right")
+    fig.suptitle("The kitchen, phase 2 of every --algo: the student's validation (no skills), S_T dashed", fontsize=9)
+    fig.tight_layout()
+    for path in figures:
+        fig.savefig(path, dpi=100)
+        print(f"[study] wrote {path}")
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--out", default="runs/study", help="folder of the study's run folders")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each uses one CPU thread)")
+    parser.add_argument("--retire-early", type=int, default=6, help="--retire-at of the early fixed schedule")
+    parser.add_argument("--retire-late", type=int, default=30, help="--retire-at of the late fixed schedule")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="run only these (retireopd is always run: it trains the teacher)")
+    parser.add_argument("--figure", action="append", default=[], help="also write the figure here (repeatable)")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        raise SystemExit("study: --jobs must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"retire_early": args.retire_early, "retire_late": args.retire_late, "extra": extra}
+    saved = out / "study.json"
+    if saved.is_file() and json.loads(saved.read_text())["settings"] != settings:
+        raise SystemExit(f"study: {out} holds a study with other settings ({saved}): choose another --out")
+    variants = ["retireopd", *(v for v in args.variants if v != "retireopd")]
+    wall = run_all(args.seeds, out, args.jobs, args.retire_early, args.retire_late, extra, variants)
+    rows = {seed: seed_row(out / f"seed{seed}") for seed in args.seeds}
+    table = format_table(rows)
+    print(table)
+    print(f"[study] {len(args.seeds)} seeds, {args.jobs} runs at a time: {wall:.0f}s of runs")
+    saved.write_text(json.dumps({"settings": settings, "rows": {str(k): v for k, v in rows.items()},
+                                 "wall_s": round(wall, 1)}, indent=2) + "\n")
+    (out / "study.md").write_text(table + "\n")
+    draw(rows, out, [out / "study.png", *args.figure])
+    return rows
+
+
+if __name__ == "__main__":
+    main()

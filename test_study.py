@@ -1,0 +1,89 @@
+"""Tests of study.py on run folders written by hand: what each column reads, how the claims are
+counted, and that finished runs are reused (no run is started here)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import study
+
+VARIANT_REPORTS = {"retireopd": 0.9, "grpo+opd": 0.6, "opd": 0.5, "grpo": 0.4, "retire-early": 0.7,
+                   "retire-late": 0.6}
+
+
+def write_jsonl(path: Path, records: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def fake_seed(folder: Path, s_t: float, reports: dict, retired_at=8, base=(0.25, 0.06)) -> None:
+    """A seed's run folders as retireopd.py leaves them (only what the study reads)."""
+    for variant, success in reports.items():
+        run = folder / variant
+        records = [{"phase": "student", "iteration": k, "panel": "validation", "skills": False, "overall": k / 10}
+                   for k in (-1, 2, 5)]
+        records.append({"phase": "student", "iteration": 5, "panel": "report", "skills": False, "overall": success})
+        events = [{"event": "done"}]
+        if variant == "retireopd":
+            records = [{"phase": "teacher", "iteration": -1, "panel": "validation", "before_training": True,
+                        "skills": True, "overall": base[0]},
+                       {"phase": "teacher", "iteration": -1, "panel": "validation", "before_training": True,
+                        "skills": False, "overall": base[1]},
+                       {"phase": "teacher", "iteration": 2, "panel": "validation", "skills": True, "overall": 0.5},
+                       {"phase": "teacher", "iteration": 2, "panel": "report", "skills": True, "overall": 0.7},
+                       *records]
+            (run / "teacher").mkdir(parents=True)
+            (run / "teacher" / "retireopd.json").write_text(json.dumps({"teacher_success": s_t}))
+            if retired_at is not None:
+                events.insert(0, {"event": "retirement", "retired_at": retired_at})
+        write_jsonl(run / "eval.jsonl", records)
+        write_jsonl(run / "events.jsonl", events)
+
+
+def test_seed_row_reads_each_column_from_the_run_folders(tmp_path):
+    fake_seed(tmp_path / "seed3", 0.625, VARIANT_REPORTS)
+    row = study.seed_row(tmp_path / "seed3")
+    assert row == {"base+skills": 0.25, "base": 0.06, "S_T": 0.625, "teacher": 0.7, "retired": 8,
+                   **VARIANT_REPORTS}
+
+
+def test_claims_count_seeds_and_average_margins(tmp_path):
+    fake_seed(tmp_path / "seed0", 0.625, VARIANT_REPORTS)
+    fake_seed(tmp_path / "seed1", 0.75, {**VARIANT_REPORTS, "retireopd": 0.7, "opd": 0.75}, retired_at=None)
+    rows = {seed: study.seed_row(tmp_path / f"seed{seed}") for seed in (0, 1)}
+    got = {name: (holds, n, margin) for name, holds, n, margin in study.claims(rows)}
+    names = [name for name, _, _ in study.CLAIMS]
+    # S_T - base+skills: 0.375, 0.5;  retireopd - grpo+opd: 0.3, 0.1;  S_T - opd: 0.125, 0.0 (at or below: holds)
+    # retireopd - S_T: 0.275, -0.05;  retireopd - grpo: 0.5, 0.3
+    expected = [(2, 0.4375), (2, 0.2), (2, 0.0625), (1, 0.1125), (2, 0.4)]
+    for name, (holds, margin) in zip(names, expected):
+        assert got[name][:2] == (holds, 2) and got[name][2] == pytest.approx(margin), name
+    table = study.format_table(rows)
+    assert "| 1 | 0.25 | 0.06 | 0.75 | 0.70 | - | 0.70 | 0.60 | 0.75 | 0.40 | 0.70 | 0.60 |" in table
+    assert "| 1 of 2 | +0.11 |" in table
+
+
+def test_finished_runs_are_reused_and_other_settings_refused(tmp_path, monkeypatch):
+    for seed in (0, 1):
+        fake_seed(tmp_path / f"seed{seed}", 0.5, VARIANT_REPORTS)
+    monkeypatch.setattr(study.subprocess, "Popen", lambda *a, **k: pytest.fail("a finished run was started"))
+    rows = study.main(["--seeds", "0", "1", "--out", str(tmp_path)])
+    assert rows[1]["retireopd"] == 0.9 and (tmp_path / "study.md").is_file()
+    assert json.loads((tmp_path / "study.json").read_text())["rows"]["0"]["S_T"] == 0.5
+    with pytest.raises(SystemExit, match="other settings"):
+        study.main(["--seeds", "0", "--out", str(tmp_path), "--retire-late", "40"])
+
+
+def test_a_started_run_is_resumed_and_a_new_one_gets_its_flags(tmp_path):
+    run = tmp_path / "seed2" / "opd"
+    fresh = study.command("opd", 2, run, tmp_path / "seed2" / "retireopd" / "teacher", 6, 30, ["--opd-coef", "1"])
+    assert fresh[1:] == [str(study.HERE / "retireopd.py"), "--model", "tiny", "--seed", "2", "--run-dir", str(run),
+                         "--algo", "opd", "--teacher", str(tmp_path / "seed2" / "retireopd" / "teacher"),
+                         "--opd-coef", "1"]
+    assert study.command("retire-late", 2, run, run, 6, 30, [])[-4:] == ["--teacher", str(run), "--retire-at", "30"]
+    write_jsonl(run / "events.jsonl", [])
+    (run / "config.json").write_text("{}")
+    assert study.command("opd", 2, run, run, 6, 30, []) == [sys.executable, str(study.HERE / "retireopd.py"),
+                                                            "--resume", str(run)]
