@@ -102,7 +102,7 @@ class Config:
     max_turns: Optional[int] = arg(None, "None -> 50 (ALFWorld) / 15 (WebShop)")
     history: int = arg(2, "H: past (observation, action) pairs shown in the prompt")
     env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
-    max_response_tokens: int = arg(512, "an answer cut here is malformed")
+    max_response_tokens: int = arg(512, "an answer cut here is malformed (and still steps the env)")
     max_prompt_tokens: Optional[int] = arg(None, "student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)")
     prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
                              "it times the prompt width, not with B*G); 0: all of them in one forward")
@@ -186,17 +186,38 @@ def build_user_message(env_name: str, task: str, steps_taken: int, history: list
     return "\n\n".join(parts)
 
 
-CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+# The authors' range of "Chinese characters": CJK Unified Ideographs, U+4E00-U+9FFF. Kana, Hangul,
+# Extension A and the compatibility ideographs are outside it (not malformed), as in theirs.
+CJK_RE = re.compile(r"[\u4e00-\u9fff]")
+# What an answer without an <action>...</action> pair sends to the environment: its last characters (the
+# authors': 30 in ALFWorld, 20 in WebShop; the kitchen, ours, as ALFWorld)
+FALLBACK_CHARS = {"alfworld": 30, "webshop": 20, "kitchen": 30}
+
+
+def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, bool]:
+    """(what the environment receives, whether the answer is well formed): the authors' projection
+    (verl-agent's alfworld/webshop projection), and one rule of ours.
+
+    The answer is lowercased. With both an `<action>` and an `</action>` tag, the action is the text
+    between the first of each, stripped (an `</action>` before the `<action>` gives ""); without,
+    the answer's last FALLBACK_CHARS[env_name] characters, and the answer is malformed. It is also
+    malformed when `<think>` or `</think>` is missing, when it holds a character of CJK_RE, or
+    (ours) when it was `cut` at --max-response-tokens. Either way the rollout steps the environment
+    with the string (an inadmissible one changes nothing) and keeps the pair in the history; a
+    malformed answer costs its turn -0.1 (turn_scores). An empty action is well formed, as theirs.
+    """
+    text = answer.lower()
+    start, end = text.find("<action>"), text.find("</action>")
+    if start == -1 or end == -1:
+        return text[-FALLBACK_CHARS[env_name]:], False
+    action = text[start + len("<action>"):end].strip()
+    return action, "<think>" in answer and "</think>" in answer and not CJK_RE.search(answer) and not cut
 
 
 def action_from_answer(response: str) -> Optional[str]:
-    """The action in `<think>...</think><action>...</action>`, lowercased, or None if malformed:
-    a missing <think> or <action> tag pair, or any CJK character. The rollout turns None into a
-    no-op for the environment and a -0.1 turn penalty."""
-    match = re.search(r"<action>(.*?)</action>", response, re.DOTALL)
-    if CJK_RE.search(response) or not re.search(r"<think>.*?</think>", response, re.DOTALL) or match is None:
-        return None
-    return match.group(1).strip().lower() or None
+    """The action of a well-formed answer, None for a malformed one (project_action's rule)."""
+    action, well_formed = project_action(response, "alfworld")
+    return action if well_formed else None
 
 
 # ==================================================================================================
@@ -487,7 +508,7 @@ class TurnSample:
     episode: int  # i: which episode
     prompt_ids: list  # the policy's prompt tokens (s_t; with skills in phase 1)
     response_ids: list  # y: the tokens the policy sampled (ending in EOS unless cut)
-    malformed: bool  # no <think>/<action> pair, an empty action, CJK, or cut at max_response_tokens
+    malformed: bool  # project_action: no <action> pair, no <think> or </think>, CJK, or cut at the cap
     teacher_prompt_ids: Optional[list] = None  # s_t^T, when a teacher will score y
     score: float = 0.0  # r_{i,t} (turn_scores), set when the episode ends
     sample_logp: Optional[torch.Tensor] = None  # (len(y),) log-probs of y as the sampler saw them
@@ -549,15 +570,14 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
         with meter.generate():
             responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature,
                                  prefill_batch=cfg.prefill_batch)
-        actions = []  # (episode, action); a malformed answer is a no-op: its env is not stepped
+        actions = []  # (episode, action): every answer steps its env, a malformed one too (project_action)
         for episode, prompt, teacher_prompt, response in zip(active, prompts, teacher_prompts, responses):
-            action = None if response.hit_cap else action_from_answer(
-                tokenizer.decode(response.ids, skip_special_tokens=True))
-            episode.samples.append(TurnSample(episode.group, episode.index, prompt, response.ids, action is None,
+            action, well_formed = project_action(tokenizer.decode(response.ids, skip_special_tokens=True), cfg.env,
+                                                 cut=response.hit_cap)
+            episode.samples.append(TurnSample(episode.group, episode.index, prompt, response.ids, not well_formed,
                                               teacher_prompt, sample_logp=response.logp))
             episode.turns += 1
-            if action is not None:
-                actions.append((episode, action))
+            actions.append((episode, action))
         with meter.env():
             step_episodes(actions, active, cfg.max_turns)
         meter.turn_done(responses, active, episodes)
@@ -809,8 +829,8 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
 # one it plays:  env.reset() -> (observation, info)  and  env.step(action) -> (observation, reward,
 # done, info), where info carries "task", "task_type" (the skill key), "admissible" and "won". The
 # reward slot is the environment's own (ALFWorld 1 on a win, WebShop the purchase score, the kitchen
-# 1 on a win); the training loop reads only `won` (R_i, turn_scores). A malformed model answer is a
-# no-op: the rollout loop does not call step at all.
+# 1 on a win); the training loop reads only `won` (R_i, turn_scores). Every answer steps the environment, a
+# malformed one with what project_action sends (mostly an inadmissible string, which changes nothing).
 
 # ----- The skills: the privileged information of self-OPD, plain data (SPEC: skills) --------------
 # Short strategy notes per task type, written by us. Only the teacher sees them (phase 1 while it

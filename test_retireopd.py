@@ -424,14 +424,42 @@ def test_opd_expected_gradient_is_the_kl_gradient_and_naive_is_zero():
 # ==================================================================================================
 
 
-def test_action_from_answer_rules():
+def test_project_action_follows_the_authors_projection_branch_by_branch():
+    project = R.project_action
+    # well formed: the text between the first <action> and the first </action>, stripped, lowercased
+    assert project("<think>go</think><action>Go To Cabinet 1</action>", "alfworld") == ("go to cabinet 1", True)
+    assert project("<think>a</think> <action> click[buy now] </action> trailing", "webshop") == ("click[buy now]", True)
+    assert project("<think>a</think><action>look</action><action>go</action>", "alfworld") == ("look", True)
+    assert project("<think>x</think><ACTION>Look</ACTION>", "alfworld") == ("look", True)  # tags found lowercased
+    assert project("<think>x</think><action> </action>", "alfworld") == ("", True)  # empty: well formed, as theirs
+    assert project("<think>x</think></action>go<action>", "alfworld") == ("", True)  # </action> first: ""
+    # <think> or </think> missing (looked for as written: <THINK> is not <think>): the action is sent, malformed
+    assert project("<action>look</action>", "alfworld") == ("look", False)
+    assert project("<think>x<action>look</action>", "alfworld") == ("look", False)
+    assert project("x</think><action>look</action>", "kitchen") == ("look", False)
+    assert project("<THINK>x</THINK><action>look</action>", "alfworld") == ("look", False)
+    # a CJK Unified Ideograph (U+4E00-U+9FFF) anywhere: malformed; kana and hangul are outside the authors' range
+    assert project("<think>看</think><action>look</action>", "alfworld") == ("look", False)
+    assert project("<think>x</think><action>look 一</action>", "alfworld") == ("look 一", False)
+    assert project("<think>みる 보다</think><action>look</action>", "alfworld") == ("look", True)
+    # no <action> ... </action> pair: the answer's last 30 characters (WebShop 20), lowercased, malformed
+    rambling = "I should Go To The Cabinet 1 and then look around"
+    assert project(rambling, "alfworld") == ("cabinet 1 and then look around", False)
+    assert project(rambling, "kitchen") == ("cabinet 1 and then look around", False)
+    assert project(rambling, "webshop") == ("and then look around", False)
+    assert project("<think>x</think><action>look", "alfworld") == ("<think>x</think><action>look", False)  # short
+    assert project("", "alfworld") == ("", False)
+    # ours: an answer cut at --max-response-tokens is projected the same way, and malformed
+    assert project("<think>x</think><action>look</action>", "alfworld", cut=True) == ("look", False)
+    assert project("<think>x</think><action>lo", "webshop", cut=True) == (">x</think><action>lo", False)  # 26 - 6
+
+
+def test_action_from_answer_is_the_action_of_a_well_formed_answer():
     assert R.action_from_answer("<think>go</think><action>Go To Cabinet 1</action>") == "go to cabinet 1"
-    assert R.action_from_answer("<think>a</think> <action> click[buy now] </action> trailing") == "click[buy now]"
-    assert R.action_from_answer("<action>look</action>") is None  # no think pair
-    assert R.action_from_answer("<think>x</think><action>look") is None  # unclosed action
-    assert R.action_from_answer("<think>看</think><action>look</action>") is None  # CJK
-    assert R.action_from_answer("<think>x</think><action> </action>") is None  # empty action
-    assert R.action_from_answer("") is None
+    assert R.action_from_answer("<think>x</think><action> </action>") == ""  # empty: well formed
+    for malformed in ("<action>look</action>", "<think>x</think><action>look", "<think>看</think><action>look</action>",
+                      ""):
+        assert R.action_from_answer(malformed) is None
 
 
 def test_teacher_prompt_is_student_prompt_plus_skills_before_task():
@@ -599,15 +627,49 @@ def test_environment_exceptions_end_the_episode_as_a_logged_failure(tiny):
     assert all(not s.malformed and s.score == 0.0 for s in samples)
 
 
-def test_malformed_answers_are_penalised_noops(tiny):
+def test_malformed_answers_are_penalised_and_still_step_the_environment(tiny):
     model, tok = tiny  # the random tiny model never writes the tags: every turn is malformed
     cfg = small_cfg(env="alfworld", max_turns=3)
     samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2,
                                          skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
     assert len(samples) == 6 and all(s.malformed for s in samples)
     assert all(s.score == pytest.approx(-0.1) for s in samples)
-    assert all(e.history == [] and e.turns == 3 and not e.won for e in episodes)
+    assert all(len(e.history) == 3 and e.turns == 3 and not e.won for e in episodes)  # stepped every turn
+    assert all(len(action) <= 30 for e in episodes for _, action in e.history)  # an answer's last 30 characters
     assert stats["malformed_frac"] == 1.0
+
+
+class RecordingSuite(FakeSuite):
+    """FakeSuite whose environment records what it was sent, and numbers its observations."""
+
+    class Env(FakeSuite.Env):
+        def __init__(self):
+            self.sent = []
+
+        def step(self, action):
+            self.sent.append(action)
+            won = action == "open box 1"
+            return f"observation {len(self.sent)}", 10.0 * won, won, {"admissible": ["look"], "won": won}
+
+
+def test_a_malformed_turn_steps_the_env_with_the_projection_and_enters_the_history(tiny, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(R, "generate", _scripted(tok, [
+        ("<action>Look</action><|im_end|>", False),                     # no <think>: "look", malformed
+        ("I will Open The Box 1 now, of course<|im_end|>", False),       # no tags: its last 30 characters
+        ("<think>x</think><action>open box 1</action><|im_end|>", False)]))  # wins
+    samples, (episode,), _ = R.rollout(model, tok, RecordingSuite(), [0], small_cfg(env="alfworld", max_turns=5),
+                                       group_size=1, skills_in_prompt=False, with_teacher_prompts=False,
+                                       temperature=1.0)
+    fallback = " open the box 1 now, of course"  # 30 characters, lowercased, not stripped (theirs)
+    assert episode.env.sent == ["look", fallback, "open box 1"] and episode.won
+    assert episode.history == [("a box 1", "look"), ("observation 1", fallback), ("observation 2", "open box 1")]
+    assert [s.malformed for s in samples] == [True, True, False]
+    assert [s.score for s in samples] == pytest.approx([9.9, 9.9, 10.0])
+    third_prompt = tok.decode(samples[2].prompt_ids)  # the turn after the malformed ones shows both pairs
+    assert "You have taken 2 step(s)" in third_prompt
+    assert "Observation: a box 1\nAction: look\nObservation: observation 1\nAction:  open the box 1 now" in third_prompt
+    assert "Current observation:\nobservation 2" in third_prompt
 
 
 def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
@@ -2146,13 +2208,14 @@ def _scripted(tok, answers):
 def test_turn_scores_cut_answers_and_episode_reward_on_every_turn(tiny, monkeypatch):
     model, tok = tiny
     monkeypatch.setattr(R, "generate", _scripted(tok, [
-        ("<think>x</think><action>open box 1</action>", True),    # cut at the cap: malformed
+        ("<think>x</think><action>look</action>", True),          # cut at the cap: malformed (look is still sent)
         ("garbage", False),                                        # malformed
         ("<think>x</think><action>open box 1</action><|im_end|>", False)]))  # wins
     samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], small_cfg(env="alfworld", max_turns=5),
                                          group_size=2, skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
     assert all(e.won and e.turns == 3 for e in episodes)
-    lengths = [len(tok(text)["input_ids"]) for text in ("<think>x</think><action>open box 1</action>", "garbage",
+    assert all([action for _, action in e.history] == ["look", "garbage", "open box 1"] for e in episodes)
+    lengths = [len(tok(text)["input_ids"]) for text in ("<think>x</think><action>look</action>", "garbage",
                                                        "<think>x</think><action>open box 1</action><|im_end|>")]
     assert stats["gen_steps"] == sum(lengths)  # one batched call per turn, as long as its longest answer
     assert [s.malformed for s in samples[:6:2]] == [True, True, False]
