@@ -120,6 +120,9 @@ class Config:
     mini_batch: Optional[int] = arg(None, "samples per optimizer step, phase 1 and grpo (None: ALFWorld 256, else 64)")
     opd_mini_batch: int = arg(128, "turn-samples per optimizer step in phase 2 with a teacher (both envs)")
     token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
+    loss_agg: str = arg("exact", "exact: the loss is one token-mean over each mini-batch | authors: the token-means "
+                        "of groups of --micro-batch-rows samples, summed / the accumulation steps (loss_denominators)")
+    micro_batch_rows: int = arg(8, "--loss-agg authors: turn-samples per group (their micro-batch per GPU)")
     kl_coef: float = arg(0.01, "KL-to-reference (k3) coefficient, phase 1 and --algo grpo; 0: no reference model")
     opd_kl_coef: float = arg(0.0, "the same in phase 2 with a teacher (the authors': off, no reference model)")
     entropy_coef: float = arg(0.001, "entropy bonus; 0 skips computing it")
@@ -323,10 +326,39 @@ def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask
     return gap, float((k3(old_logp, teacher_logp) * mask).sum() / tokens)
 
 
+def micro_batch_denominators(lengths: list, rows: int = 8, mini_batch: Optional[int] = None) -> list:
+    """--loss-agg authors: how their update averages a mini-batch's token losses l_{i,k}. (the update)
+
+        exact (ours):  L = sum_i sum_k l_{i,k} / N,              N = sum_i n_i       (one token-mean)
+        authors:       L = (1/S) sum_m [sum_{i in m} sum_k l_{i,k} / T_m],  i.e. D_i = S T_{m(i)}
+
+    lengths: n_i, the response tokens of each turn-sample of the mini-batch, in its (shuffled) order,
+    cut in that order into groups m of `rows` samples (their micro-batches: 8 rows per GPU), T_m the
+    tokens of group m; S = ceil(mini_batch / rows), the accumulation steps of a full mini-batch (their
+    loss / gradient_accumulation; mini_batch defaults to len(lengths)). Each group's token-mean counts
+    alike, so a token of a short group weighs more; with equal lengths and a full mini-batch D_i = N,
+    and a shorter last mini-batch weighs less, as theirs would. Returns D_i, one per sample."""
+    steps = -(-(mini_batch or len(lengths)) // rows)
+    denominators = []
+    for start in range(0, len(lengths), rows):
+        group = lengths[start:start + rows]
+        denominators += [steps * sum(group)] * len(group)
+    return denominators
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Tensor:
+    """sum_k mask_k values_k / num_tokens, how every loss term is aggregated. num_tokens: a count
+    (default mask.sum(); the whole mini-batch's, so micro-batch losses add up to its token-mean) or,
+    for --loss-agg authors, a tensor like mask of per-token denominators (micro_batch_denominators)."""
+    if isinstance(num_tokens, torch.Tensor):
+        return (values * mask / num_tokens).sum()
+    return (values * mask).sum() / max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip: float = 0.2, dual_clip: float = 3.0, ref_logp: Optional[torch.Tensor] = None,
                 kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
-                num_tokens: Optional[float] = None):
+                num_tokens: Optional[float | torch.Tensor] = None):
     """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
                                                                      (paper: the RL backbone)
         ratio_k = exp(clamp(l^theta_k - l^old_k, -20, 20))   (verl's clamp: never inf)
@@ -336,18 +368,18 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
 
     (B, T) tensors (any matching shape); advantages per token. The KL clamp at 10 is verl's
-    low_var_kl. num_tokens: the whole mini-batch's token count (default mask.sum()), so that
-    micro-batch losses add up to its token-mean; the stats (pg_loss, clip_frac, dual_clip_frac,
-    approx_kl_old = mean l^old - l^theta, kl_ref, entropy) add up the same way. Returns (loss, stats).
+    low_var_kl. num_tokens: token_mean's (the whole mini-batch's token count, default mask.sum(), so
+    that micro-batch losses add up to its token-mean; or per-token denominators); the stats (pg_loss,
+    clip_frac, dual_clip_frac, approx_kl_old = mean l^old - l^theta, kl_ref, entropy) add up the same
+    way. Returns (loss, stats).
     """
-    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
     clip_loss = torch.maximum(unclipped, clipped)
     dual_cap = -advantages * dual_clip
     per_token = torch.where(advantages < 0, torch.minimum(clip_loss, dual_cap), clip_loss)
-    mean = lambda values: float((values.detach().float() * mask).sum() / num_tokens)  # noqa: E731
+    mean = lambda values: float(token_mean(values.detach().float(), mask, num_tokens))  # noqa: E731
     stats = {"pg_loss": mean(per_token), "clip_frac": mean(clipped > unclipped),
              "dual_clip_frac": mean((clip_loss > dual_cap) & (advantages < 0)),
              "approx_kl_old": mean(old_logp - logp)}
@@ -358,33 +390,32 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if entropy_coef > 0 and entropy is not None:
         per_token = per_token - entropy_coef * entropy
         stats["entropy"] = mean(entropy)
-    return (per_token * mask).sum() / num_tokens, stats
+    return token_mean(per_token, mask, num_tokens), stats
 
 
 def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
-             num_tokens: Optional[float] = None):
+             num_tokens: Optional[float | torch.Tensor] = None):
     """The on-policy distillation loss, a term of its own outside the PPO clip.  (paper: OPD term)
 
         rho_k  = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
         k3_k   = exp(min(l^T_k - l^theta_k, 20)) - 1 + (l^theta_k - l^T_k)
-        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD
+        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD  (token_mean)
 
     (B, T) tensors; l^old and l^T are constants. d(rho k3)/dl^theta = rho (l^theta - l^T): the
     reverse-KL policy gradient with an unclipped, importance-weighted per-token advantage
     lambda (l^T - l^theta), pushing the student toward tokens the teacher finds likelier. (The naive
     mean(l^theta - l^T) has zero expected gradient: E_pi[grad log pi] = 0.) Returns (loss, stats).
     """
-    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
     teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
     weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
     k3_teacher = k3(logp, teacher_logp, max_log_ratio=20.0)
-    loss = (weight * k3_teacher * mask).sum() / num_tokens
+    loss = token_mean(weight * k3_teacher, mask, num_tokens)
     return loss, {"opd_loss": float(loss.detach())}
 
 
 def combined_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
                   advantages: Optional[torch.Tensor] = None, teacher_logp: Optional[torch.Tensor] = None,
-                  opd_coef: float = 0.0, num_tokens: Optional[float] = None, **ppo):
+                  opd_coef: float = 0.0, num_tokens: Optional[float | torch.Tensor] = None, **ppo):
     """The loss minimised on one (micro-)batch.          (paper: the student's objective)
 
         L = L_PPO(A) + kl_coef KL_ref - entropy_coef H  +  lambda L_OPD
@@ -617,10 +648,12 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
                teacher_logp: Optional[list] = None, opd_coef: float = 0.0, rng: Optional[random.Random] = None) -> dict:
     """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch: its
-    combined_loss is the token-mean over the whole mini-batch (under torchrun, of the global batch:
-    each rank computes its own samples' part), accumulated over micro-batches of at most
-    cfg.token_budget padded tokens. advantages[i]: (len(y_i),), None for pure OPD; teacher_logp: l^T,
-    None for no OPD term. A non-finite loss or gradient skips its step. Returns the update's metrics."""
+    combined_loss is the token-mean over the whole mini-batch (--loss-agg authors: the authors' mean of
+    micro-batch token-means, micro_batch_denominators; under torchrun, of the global batch: each rank
+    computes its own samples' part), accumulated over micro-batches of at most cfg.token_budget padded
+    tokens (how these are cut does not change the loss). advantages[i]: (len(y_i),), None for pure OPD;
+    teacher_logp: l^T, None for no OPD term. A non-finite loss or gradient skips its step. Returns the
+    update's metrics."""
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
     meter = UpdateMeter()  # loss and stat sums, token counts, gradient norms (plumbing)
@@ -633,6 +666,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
         for start in range(0, len(order), mini_batch):
             mini = order[start:start + mini_batch]
             num_tokens = sum(response_lengths[i] for i in mini)  # the mini-batch's token count
+            denominators = None if cfg.loss_agg == "exact" else dict(zip(mini, micro_batch_denominators(
+                [response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch)))  # --loss-agg authors
             mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this rank's samples in it
             optimizer.zero_grad(set_to_none=True)
             finite = True
@@ -646,7 +681,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                     logp, cat(old_logp), torch.ones_like(logp), advantages=cat(advantages), clip=cfg.clip_eps,
                     dual_clip=cfg.dual_clip, ref_logp=cat(ref_logp), kl_coef=kl_coef, entropy=entropy,
                     entropy_coef=cfg.entropy_coef, teacher_logp=cat(teacher_logp), opd_coef=opd_coef,
-                    num_tokens=num_tokens)
+                    num_tokens=num_tokens if denominators is None else cat(
+                        {i: torch.full((len(samples[i].response_ids),), float(denominators[first + i])) for i in idx}))
                 finite = finite and bool(torch.isfinite(loss))
                 (loss * world_size()).backward()  # FSDP averages the ranks' gradients; their sum is wanted
                 if finite:
@@ -2745,6 +2781,10 @@ def validate_config(cfg: Config) -> None:
         print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
     if cfg.frozen_dtype not in ("float32", "bfloat16"):
         problems.append("--frozen-dtype: float32 or bfloat16")
+    if cfg.loss_agg not in ("exact", "authors"):
+        problems.append("--loss-agg: exact (one token-mean per mini-batch) or authors (their micro-batch means)")
+    if cfg.micro_batch_rows < 1:
+        problems.append("--micro-batch-rows must be >= 1")
     if cfg.batch_tasks % world_size():
         problems.append(f"--batch-tasks {cfg.batch_tasks}: under torchrun each of the {world_size()} processes "
                         "plays whole groups, so it must be a multiple of --nproc_per_node")

@@ -252,6 +252,39 @@ def test_combined_loss_hand_computed_value_gradient_and_terms():
     assert float(opd_only.detach()) == pytest.approx(0.1 * 0.3068528 / 2, abs=1e-7) and "pg_loss" not in opd_stats
 
 
+def test_micro_batch_denominators_hand_computed():
+    # lengths 2, 2, 4, 1, 1 in groups of 2 rows: T = 4, 5, 1; S = ceil(5 / 2) = 3 accumulation steps -> D = S T
+    assert R.micro_batch_denominators([2, 2, 4, 1, 1], rows=2) == [12, 12, 15, 15, 3]
+    # equal lengths, a full mini-batch: D = S T = 2 x 6 = 12 = N, the exact token-mean
+    assert R.micro_batch_denominators([3, 3, 3, 3], rows=2) == [12] * 4
+    # a last mini-batch of 2 rows where the mini-batch holds 4: S = 2 all the same, so it weighs half
+    assert R.micro_batch_denominators([3, 3], rows=2, mini_batch=4) == [12, 12]
+    assert R.micro_batch_denominators([5], rows=8) == [5]  # one group: its own token-mean
+
+
+def test_loss_agg_authors_differs_from_the_token_mean_by_a_hand_computed_amount():
+    # two samples, 1 and 3 tokens, ratio 1: the surrogate per token is -A, A = +1 on the first, -1 on the others.
+    #   exact:   (-1 + 1 + 1 + 1) / 4 = 0.5,   d/dl = -A / 4
+    #   authors, groups of 1 row (S = 2): (-1/1 + 3/3) / 2 = 0,   d/dl = -A / D with D = [2, 6, 6, 6]
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    old, mask, adv = logp.detach().clone(), torch.ones(4), torch.tensor([1.0, -1.0, -1.0, -1.0])
+    exact, _ = R.combined_loss(logp, old, mask, advantages=adv, num_tokens=4)
+    denominators = torch.tensor([float(d) for d, n in zip(R.micro_batch_denominators([1, 3], rows=1), [1, 3])
+                                 for _ in range(n)])
+    assert denominators.tolist() == [2.0, 6.0, 6.0, 6.0]
+    authors, stats = R.combined_loss(logp, old, mask, advantages=adv, num_tokens=denominators)
+    assert float(exact.detach()) == pytest.approx(0.5) and float(authors.detach()) == pytest.approx(0.0, abs=1e-7)
+    assert stats["pg_loss"] == pytest.approx(0.0, abs=1e-7)  # the logged terms are aggregated the same way
+    (grad_exact,) = torch.autograd.grad(exact, logp)
+    (grad_authors,) = torch.autograd.grad(authors, logp)
+    assert torch.allclose(grad_exact, torch.tensor([-0.25, 0.25, 0.25, 0.25]))
+    assert torch.allclose(grad_authors, torch.tensor([-1 / 2, 1 / 6, 1 / 6, 1 / 6]))
+    # the OPD term and the entropy bonus are aggregated alike: teacher = logp + ln 2 on the first token only
+    teacher = old + torch.tensor([math.log(2.0), 0.0, 0.0, 0.0])
+    opd, opd_stats = R.combined_loss(logp, old, mask, teacher_logp=teacher, opd_coef=1.0, num_tokens=denominators)
+    assert opd_stats["opd_loss"] == pytest.approx(0.3068528 / 2, abs=1e-6)  # k3 = 0.306853 on a D = 2 token
+
+
 def test_teacher_success_is_the_mean_of_the_last_two_validations():
     assert R.teacher_success_rate([0.1, 0.5, 0.75]) == pytest.approx(0.625)  # (0.5 + 0.75) / 2
     assert R.teacher_success_rate([0.4]) == pytest.approx(0.4)  # one validation only: that one
@@ -694,6 +727,50 @@ def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
     (loss_micro, grad_micro), (loss_one, grad_one) = loss_and_grad_norm(max(lengths)), loss_and_grad_norm(10 ** 6)
     assert loss_micro == pytest.approx(loss_one, abs=1e-5)
     assert grad_micro == pytest.approx(grad_one, rel=1e-4)  # the accumulated gradient, not only the loss
+
+
+def _update_gradient(model, samples, advantages, cfg, mini_batch):
+    """(loss, flat gradient) of one ppo_update step that does not move the model (SGD, lr 0)."""
+    copied = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.0)
+    grads, step = [], optimizer.step
+    optimizer.step = lambda: (grads.append(torch.cat([p.grad.flatten() for p in copied.parameters()])), step())[1]
+    old = R.response_logprobs(copied, samples, cfg)
+    out = R.ppo_update(copied, optimizer, samples, old, advantages, cfg, mini_batch=mini_batch, rng=random.Random(0))
+    (grad,) = grads
+    return out["loss"], grad
+
+
+def test_loss_agg_authors_equals_the_token_mean_for_equal_lengths_and_not_otherwise(tiny):
+    model, tok = tiny
+    rng = random.Random(5)
+    cfg = small_cfg(entropy_coef=0.0, grad_clip=1e9, token_budget=64)  # token budget: several micro-batches
+    authors = R.dataclasses.replace(cfg, loss_agg="authors", micro_batch_rows=2)
+
+    def batch(lengths):
+        samples = [R.TurnSample(0, k, [rng.randrange(1000) for _ in range(rng.randrange(2, 9))],
+                                [rng.randrange(1000) for _ in range(n)], False) for k, n in enumerate(lengths)]
+        return samples, [torch.full((n,), a) for n, a in zip(lengths, (1.0, -0.5, 0.3, -1.2, 0.8, 0.1))]
+
+    samples, advantages = batch([4] * 6)  # equal lengths, a full mini-batch of 3 groups of 2
+    (loss_exact, grad_exact), (loss_authors, grad_authors) = (
+        _update_gradient(model, samples, advantages, c, mini_batch=6) for c in (cfg, authors))
+    assert loss_authors == pytest.approx(loss_exact, rel=1e-6, abs=1e-7)
+    assert torch.allclose(grad_authors, grad_exact, rtol=1e-5, atol=1e-8)
+    # unequal lengths: ratio 1, so the loss is sum_i -A_i n_i / D_i over the groups of the shuffled order
+    lengths = [1, 7, 2, 5, 3, 3]
+    samples, advantages = batch(lengths)
+    order = list(range(6))
+    random.Random(0).shuffle(order)  # ppo_update's mini-batch order (rng Random(0))
+    expected = {"exact": -sum(float(advantages[i][0]) * lengths[i] for i in order) / sum(lengths), "authors": 0.0}
+    for pair in (order[0:2], order[2:4], order[4:6]):  # S = 3 steps; each group's token-mean, / S
+        expected["authors"] -= sum(float(advantages[i][0]) * lengths[i] for i in pair) / sum(lengths[i] for i in pair) / 3
+    (loss_exact, grad_exact), (loss_authors, grad_authors) = (
+        _update_gradient(model, samples, advantages, c, mini_batch=6) for c in (cfg, authors))
+    assert loss_exact == pytest.approx(expected["exact"], abs=1e-6)
+    assert loss_authors == pytest.approx(expected["authors"], abs=1e-6)
+    assert abs(expected["authors"] - expected["exact"]) > 0.05  # the toy is not a tie
+    assert float(torch.nn.functional.cosine_similarity(grad_exact, grad_authors, dim=0)) < 0.999
 
 
 def test_gpu_numerics_path_on_cpu_bf16_autocast_and_gradient_checkpointing(tiny, monkeypatch):
@@ -2675,6 +2752,30 @@ def test_the_sharded_update_is_the_one_process_update(tmp_path):
     assert max(float((w - start[k]).abs().max()) for k, w in one["weights"].items()) > 3e-3  # 6 steps of lr 1e-3
     for key, weight in one["weights"].items():  # the same update: equal up to the order of float sums
         assert torch.allclose(two["weights"][key], weight, atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_the_sharded_update_is_the_one_process_update_with_the_authors_aggregation(tmp_path):
+    # groups of 2 rows are cut from the global mini-batch's order, so 2 processes form the same ones as 1
+    script = SHARDED_UPDATE.replace('lr=1e-3)', 'lr=1e-3, loss_agg="authors", micro_batch_rows=2)')
+    assert script != SHARDED_UPDATE
+    (tmp_path / "authors.py").write_text(script)
+    here = str(Path(__file__).parent)
+    done = subprocess.run([sys.executable, str(tmp_path / "authors.py"), str(tmp_path / "one.pt"), here],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-8000:]
+    done = torchrun(str(tmp_path / "authors.py"), str(tmp_path / "two.pt"), here)
+    assert done.returncode == 0, done.stderr[-8000:]
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for key in ("loss", "pg_loss", "opd_loss", "entropy", "grad_norm", "trained_tokens"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
+    for key, weight in one["weights"].items():
+        assert torch.allclose(two["weights"][key], weight, atol=1e-5), key
+    (tmp_path / "exact.py").write_text(SHARDED_UPDATE)  # and the aggregation is not the exact one's
+    done = subprocess.run([sys.executable, str(tmp_path / "exact.py"), str(tmp_path / "exact.pt"), here],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-8000:]
+    assert abs(torch.load(tmp_path / "exact.pt")["stats"]["loss"] - one["stats"]["loss"]) > 1e-4
 
 
 TORCHRUN_FLAGS = QUICK + ["--env", "webshop", "--batch-tasks", "2", "--mini-batch", "4", "--opd-mini-batch", "4",
