@@ -142,6 +142,8 @@ class Config:
                                        "types; WebShop: the first N goals); None = the whole panel")
     save_every: int = arg(10, "resumable checkpoint every N iterations (also at phase ends, retirement; 0: only there)")
     keep_checkpoints: int = arg(2, "how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)")
+    report_to: str = arg("none", "none | tensorboard (RUN_DIR/tensorboard) | wandb: a live dashboard of every metrics "
+                         "line, evaluation and the retirement (docs/metrics.md); --resume may change it")
     frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
                             "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)")
 
@@ -2203,6 +2205,7 @@ class Run:
     gathers its weights from all of them), and rank 0 writes what they gathered.
     """
     latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
+    tracker: Optional[Tracker] = None  # --report-to: every line logged goes there too (main starts it)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -2224,6 +2227,8 @@ class Run:
                 f.write(json.dumps(record) + "\n")
         except OSError as error:
             raise SystemExit(self.write_failure(name, error)) from None
+        if self.tracker is not None:
+            self.tracker.log(name, record)
 
     def write_failure(self, name: str, error: Exception) -> str:
         """The one line of a write into the run folder that failed (a full disk, a quota): what, why,
@@ -2455,6 +2460,95 @@ def retirement_message(iteration: int, retirement: Retirement, record: dict) -> 
             f"GRPO alone from iteration {retirement.retired_at}")
 
 
+# ----- The live dashboard (--report-to tensorboard | wandb) ----------------------------------------
+
+
+def tracker_step(cfg: Config, phase: str, iteration: int) -> int:
+    """A tracker's step: phase 1's iterations, then phase 2's (one axis, as the plot draws them)."""
+    offset = phase_iterations(cfg, "teacher") if phase == "student" and ALGORITHMS[cfg.algo].teacher_phase else 0
+    return offset + iteration
+
+
+def flat_numbers(record: dict, prefix: str) -> dict:
+    """{prefix/key: number} for every number of a record (booleans 0/1; nested dicts flattened with "/";
+    strings and None left out)."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flat_numbers(value, f"{prefix}/{key}"))
+        elif isinstance(value, (bool, int, float)):
+            out[f"{prefix}/{key}"] = float(value)
+    return out
+
+
+def tracker_record(cfg: Config, name: str, record: dict) -> Optional[tuple[int, dict]]:
+    """What a tracker gets from one line of the run folder's logs: (step, {key: number}), or None.
+    metrics.jsonl: PHASE/KEY for each number of the line; eval.jsonl: PHASE/PANEL_skills/KEY (or
+    _no_skills); events.jsonl: the retirement alone, student/retirement/KEY. The phase, iteration,
+    panel and skills of a line make its key and step, not values of their own."""
+    if name == "metrics.jsonl":
+        phase, iteration, prefix = record["phase"], record["iteration"], record["phase"]
+    elif name == "eval.jsonl":
+        phase, iteration = record["phase"], record["iteration"]
+        prefix = f"{phase}/{record['panel']}_{'skills' if record.get('skills') else 'no_skills'}"
+    elif name == "events.jsonl" and record.get("event") == "retirement":
+        phase, iteration, prefix = "student", record["decided_after_iteration"], "student/retirement"
+    else:
+        return None
+    keys = {"phase", "iteration", "panel", "skills", "event", "decided_after_iteration"}
+    return tracker_step(cfg, phase, iteration), flat_numbers({k: v for k, v in record.items() if k not in keys}, prefix)
+
+
+class Tracker:
+    """--report-to: a live dashboard beside the jsonl logs, on rank 0 (main starts it, Run.log feeds it).
+
+    tensorboard: event files in RUN_DIR/tensorboard; a resume appends there and purges the steps it
+    redoes. wandb: one W&B run whose id is the run's run_id (run.json), so a resume continues it
+    (W&B keeps the values it already has for the redone steps); project $WANDB_PROJECT or
+    "retireopd", its files in $WANDB_DIR or the run folder. Each package is imported only here."""
+
+    @staticmethod
+    def problem(report_to: str) -> Optional[str]:
+        """Why --report-to cannot run here, in one line (its package is missing), or None."""
+        try:
+            if report_to == "tensorboard":
+                import torch.utils.tensorboard  # noqa: F401 (it needs the tensorboard package)
+            elif report_to == "wandb":
+                import wandb  # noqa: F401
+        except ImportError:
+            return f"--report-to {report_to} needs the {report_to} package, not installed here: pip install {report_to}"
+        return None
+
+    def __init__(self, cfg: Config, run_dir: Path, run_id: str, purge_step: Optional[int] = None):
+        self.cfg = cfg
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+        else:
+            import wandb
+            self.writer = wandb.init(project=os.environ.get("WANDB_PROJECT") or "retireopd", name=run_dir.name,
+                                     id=run_id, resume="allow", config=dataclasses.asdict(cfg),
+                                     dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+
+    def log(self, name: str, record: dict) -> None:
+        found = tracker_record(self.cfg, name, record)
+        if found is None:
+            return
+        step, values = found
+        if self.cfg.report_to == "wandb":
+            self.writer.log(values, step=step)
+            return
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()  # (once per iteration: a crash loses nothing that metrics.jsonl has)
+
+    def close(self) -> None:
+        if self.cfg.report_to == "wandb":
+            self.writer.finish()
+        else:
+            self.writer.close()
+
+
 # ----- Phase bookkeeping for train_phase and the phases (section 6) --------------------------------
 
 
@@ -2665,7 +2759,8 @@ def resume_config(run_dir: str, given: dict) -> Config:
     # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
     # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
     # disk); and S_T, for a run that stopped at S_T = 0
-    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints")
+    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints",
+            "report_to")  # (and where it is watched: the dashboard)
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
                for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
@@ -2785,6 +2880,8 @@ def validate_config(cfg: Config) -> None:
         problems.append("--loss-agg: exact (one token-mean per mini-batch) or authors (their micro-batch means)")
     if cfg.micro_batch_rows < 1:
         problems.append("--micro-batch-rows must be >= 1")
+    if cfg.report_to not in ("none", "tensorboard", "wandb"):
+        problems.append("--report-to: none, tensorboard or wandb")
     if cfg.batch_tasks % world_size():
         problems.append(f"--batch-tasks {cfg.batch_tasks}: under torchrun each of the {world_size()} processes "
                         "plays whole groups, so it must be a multiple of --nproc_per_node")
@@ -3173,6 +3270,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         return Path(resume_dir)
     if problem := model_source_problem(cfg.model):  # before the data and before anything is written
         raise SystemExit(f"retireopd: {problem}")
+    if problem := Tracker.problem(cfg.report_to):
+        raise SystemExit(f"retireopd: {problem}")
     if run_benchmark and world_size() > 1:
         raise SystemExit("retireopd: --benchmark runs in one process: start it with python, not torchrun")
     if main_process():  # (under torchrun the other ranks wait for it in start_processes)
@@ -3206,11 +3305,16 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
           f"{device}" + (f" and {world_size() - 1} more process(es)" if world_size() > 1 else "")
           + f"; run folder {run.dir}")
 
+    if cfg.report_to != "none" and main_process():  # the live dashboard (rank 0 reports)
+        redone = tracker_step(cfg, state["phase"], state["iteration"] + 1) if state else 0  # a resume's first step
+        run.tracker = Tracker(cfg, run.dir, run.run_id, purge_step=redone if resume_dir else None)
     models = Models(cfg, run, device, checkpoint, state)
     del state  # Models holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
     train(cfg, suite, run, models)
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
+    if run.tracker is not None:
+        run.tracker.close()
     stop_processes()
     if not main_process():
         return run.dir
