@@ -729,6 +729,16 @@ def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
     assert grad_micro == pytest.approx(grad_one, rel=1e-4)  # the accumulated gradient, not only the loss
 
 
+def test_loss_agg_flags_fail_in_one_line_before_anything_runs(tmp_path):
+    for flags, message in ((["--loss-agg", "seq-mean"], "--loss-agg: exact"),
+                           (["--micro-batch-rows", "0"], "--micro-batch-rows must be >= 1")):
+        with pytest.raises(SystemExit, match=message) as failure:
+            R.main(["--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags])
+        assert "\n" not in str(failure.value.code)
+    assert not (tmp_path / "x").exists()
+    assert R.parse_config({"model": "tiny", "run_dir": str(tmp_path / "y")}).loss_agg == "exact"  # the default
+
+
 def _update_gradient(model, samples, advantages, cfg, mini_batch):
     """(loss, flat gradient) of one ppo_update step that does not move the model (SGD, lr 0)."""
     copied = copy.deepcopy(model)
