@@ -264,7 +264,7 @@ class AlfWorldEnv:
 
         env = AlfWorldEnv(gamefile, max_turns=50)
         obs, info = env.reset()                      # intro text with "Your task is to: ..."
-        obs, reward, done, info = env.step(action)   # action: str, or None (malformed answer)
+        obs, reward, done, info = env.step(action)   # action: str, or None (a no-op)
 
     - `info`: {"task": the task sentence (after "Your task is to: "), "task_type",
       "admissible": sorted admissible commands without "help", "won", "turn", "error",

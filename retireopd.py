@@ -102,7 +102,7 @@ class Config:
     max_turns: Optional[int] = arg(None, "None -> 50 (ALFWorld) / 15 (WebShop)")
     history: int = arg(2, "H: past (observation, action) pairs shown in the prompt")
     env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
-    max_response_tokens: int = arg(512, "an answer cut here is malformed")
+    max_response_tokens: int = arg(512, "an answer cut here is malformed (and still steps the env)")
     max_prompt_tokens: Optional[int] = arg(None, "student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)")
     prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
                              "it times the prompt width, not with B*G); 0: all of them in one forward")
@@ -120,6 +120,9 @@ class Config:
     mini_batch: Optional[int] = arg(None, "samples per optimizer step, phase 1 and grpo (None: ALFWorld 256, else 64)")
     opd_mini_batch: int = arg(128, "turn-samples per optimizer step in phase 2 with a teacher (both envs)")
     token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
+    loss_agg: str = arg("exact", "exact: the loss is one token-mean over each mini-batch | authors: the token-means "
+                        "of groups of --micro-batch-rows samples, summed / the accumulation steps (loss_denominators)")
+    micro_batch_rows: int = arg(8, "--loss-agg authors: turn-samples per group (their micro-batch per GPU)")
     kl_coef: float = arg(0.01, "KL-to-reference (k3) coefficient, phase 1 and --algo grpo; 0: no reference model")
     opd_kl_coef: float = arg(0.0, "the same in phase 2 with a teacher (the authors': off, no reference model)")
     entropy_coef: float = arg(0.001, "entropy bonus; 0 skips computing it")
@@ -139,6 +142,8 @@ class Config:
                                        "types; WebShop: the first N goals); None = the whole panel")
     save_every: int = arg(10, "resumable checkpoint every N iterations (also at phase ends, retirement; 0: only there)")
     keep_checkpoints: int = arg(2, "how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)")
+    report_to: str = arg("none", "none | tensorboard (RUN_DIR/tensorboard) | wandb: a live dashboard of every metrics "
+                         "line, evaluation and the retirement (docs/metrics.md); --resume may change it")
     frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
                             "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)")
 
@@ -186,17 +191,38 @@ def build_user_message(env_name: str, task: str, steps_taken: int, history: list
     return "\n\n".join(parts)
 
 
-CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+# The authors' range of "Chinese characters": CJK Unified Ideographs, U+4E00-U+9FFF. Kana, Hangul,
+# Extension A and the compatibility ideographs are outside it (not malformed), as in theirs.
+CJK_RE = re.compile(r"[\u4e00-\u9fff]")
+# What an answer without an <action>...</action> pair sends to the environment: its last characters (the
+# authors': 30 in ALFWorld, 20 in WebShop; the kitchen, ours, as ALFWorld)
+FALLBACK_CHARS = {"alfworld": 30, "webshop": 20, "kitchen": 30}
+
+
+def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, bool]:
+    """(what the environment receives, whether the answer is well formed): the authors' projection
+    (verl-agent's alfworld/webshop projection), and one rule of ours.
+
+    The answer is lowercased. With both an `<action>` and an `</action>` tag, the action is the text
+    between the first of each, stripped (an `</action>` before the `<action>` gives ""); without,
+    the answer's last FALLBACK_CHARS[env_name] characters, and the answer is malformed. It is also
+    malformed when `<think>` or `</think>` is missing, when it holds a character of CJK_RE, or
+    (ours) when it was `cut` at --max-response-tokens. Either way the rollout steps the environment
+    with the string (an inadmissible one changes nothing) and keeps the pair in the history; a
+    malformed answer costs its turn -0.1 (turn_scores). An empty action is well formed, as theirs.
+    """
+    text = answer.lower()
+    start, end = text.find("<action>"), text.find("</action>")
+    if start == -1 or end == -1:
+        return text[-FALLBACK_CHARS[env_name]:], False
+    action = text[start + len("<action>"):end].strip()
+    return action, "<think>" in answer and "</think>" in answer and not CJK_RE.search(answer) and not cut
 
 
 def action_from_answer(response: str) -> Optional[str]:
-    """The action in `<think>...</think><action>...</action>`, lowercased, or None if malformed:
-    a missing <think> or <action> tag pair, or any CJK character. The rollout turns None into a
-    no-op for the environment and a -0.1 turn penalty."""
-    match = re.search(r"<action>(.*?)</action>", response, re.DOTALL)
-    if CJK_RE.search(response) or not re.search(r"<think>.*?</think>", response, re.DOTALL) or match is None:
-        return None
-    return match.group(1).strip().lower() or None
+    """The action of a well-formed answer, None for a malformed one (project_action's rule)."""
+    action, well_formed = project_action(response, "alfworld")
+    return action if well_formed else None
 
 
 # ==================================================================================================
@@ -302,10 +328,39 @@ def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask
     return gap, float((k3(old_logp, teacher_logp) * mask).sum() / tokens)
 
 
+def micro_batch_denominators(lengths: list, rows: int = 8, mini_batch: Optional[int] = None) -> list:
+    """--loss-agg authors: how their update averages a mini-batch's token losses l_{i,k}. (the update)
+
+        exact (ours):  L = sum_i sum_k l_{i,k} / N,              N = sum_i n_i       (one token-mean)
+        authors:       L = (1/S) sum_m [sum_{i in m} sum_k l_{i,k} / T_m],  i.e. D_i = S T_{m(i)}
+
+    lengths: n_i, the response tokens of each turn-sample of the mini-batch, in its (shuffled) order,
+    cut in that order into groups m of `rows` samples (their micro-batches: 8 rows per GPU), T_m the
+    tokens of group m; S = ceil(mini_batch / rows), the accumulation steps of a full mini-batch (their
+    loss / gradient_accumulation; mini_batch defaults to len(lengths)). Each group's token-mean counts
+    alike, so a token of a short group weighs more; with equal lengths and a full mini-batch D_i = N,
+    and a shorter last mini-batch weighs less, as theirs would. Returns D_i, one per sample."""
+    steps = -(-(mini_batch or len(lengths)) // rows)
+    denominators = []
+    for start in range(0, len(lengths), rows):
+        group = lengths[start:start + rows]
+        denominators += [steps * sum(group)] * len(group)
+    return denominators
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Tensor:
+    """sum_k mask_k values_k / num_tokens, how every loss term is aggregated. num_tokens: a count
+    (default mask.sum(); the whole mini-batch's, so micro-batch losses add up to its token-mean) or,
+    for --loss-agg authors, a tensor like mask of per-token denominators (micro_batch_denominators)."""
+    if isinstance(num_tokens, torch.Tensor):
+        return (values * mask / num_tokens).sum()
+    return (values * mask).sum() / max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip: float = 0.2, dual_clip: float = 3.0, ref_logp: Optional[torch.Tensor] = None,
                 kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
-                num_tokens: Optional[float] = None):
+                num_tokens: Optional[float | torch.Tensor] = None):
     """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
                                                                      (paper: the RL backbone)
         ratio_k = exp(clamp(l^theta_k - l^old_k, -20, 20))   (verl's clamp: never inf)
@@ -315,18 +370,18 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
 
     (B, T) tensors (any matching shape); advantages per token. The KL clamp at 10 is verl's
-    low_var_kl. num_tokens: the whole mini-batch's token count (default mask.sum()), so that
-    micro-batch losses add up to its token-mean; the stats (pg_loss, clip_frac, dual_clip_frac,
-    approx_kl_old = mean l^old - l^theta, kl_ref, entropy) add up the same way. Returns (loss, stats).
+    low_var_kl. num_tokens: token_mean's (the whole mini-batch's token count, default mask.sum(), so
+    that micro-batch losses add up to its token-mean; or per-token denominators); the stats (pg_loss,
+    clip_frac, dual_clip_frac, approx_kl_old = mean l^old - l^theta, kl_ref, entropy) add up the same
+    way. Returns (loss, stats).
     """
-    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
     clip_loss = torch.maximum(unclipped, clipped)
     dual_cap = -advantages * dual_clip
     per_token = torch.where(advantages < 0, torch.minimum(clip_loss, dual_cap), clip_loss)
-    mean = lambda values: float((values.detach().float() * mask).sum() / num_tokens)  # noqa: E731
+    mean = lambda values: float(token_mean(values.detach().float(), mask, num_tokens))  # noqa: E731
     stats = {"pg_loss": mean(per_token), "clip_frac": mean(clipped > unclipped),
              "dual_clip_frac": mean((clip_loss > dual_cap) & (advantages < 0)),
              "approx_kl_old": mean(old_logp - logp)}
@@ -337,33 +392,32 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if entropy_coef > 0 and entropy is not None:
         per_token = per_token - entropy_coef * entropy
         stats["entropy"] = mean(entropy)
-    return (per_token * mask).sum() / num_tokens, stats
+    return token_mean(per_token, mask, num_tokens), stats
 
 
 def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
-             num_tokens: Optional[float] = None):
+             num_tokens: Optional[float | torch.Tensor] = None):
     """The on-policy distillation loss, a term of its own outside the PPO clip.  (paper: OPD term)
 
         rho_k  = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
         k3_k   = exp(min(l^T_k - l^theta_k, 20)) - 1 + (l^theta_k - l^T_k)
-        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD
+        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD  (token_mean)
 
     (B, T) tensors; l^old and l^T are constants. d(rho k3)/dl^theta = rho (l^theta - l^T): the
     reverse-KL policy gradient with an unclipped, importance-weighted per-token advantage
     lambda (l^T - l^theta), pushing the student toward tokens the teacher finds likelier. (The naive
     mean(l^theta - l^T) has zero expected gradient: E_pi[grad log pi] = 0.) Returns (loss, stats).
     """
-    num_tokens = max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
     teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
     weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
     k3_teacher = k3(logp, teacher_logp, max_log_ratio=20.0)
-    loss = (weight * k3_teacher * mask).sum() / num_tokens
+    loss = token_mean(weight * k3_teacher, mask, num_tokens)
     return loss, {"opd_loss": float(loss.detach())}
 
 
 def combined_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
                   advantages: Optional[torch.Tensor] = None, teacher_logp: Optional[torch.Tensor] = None,
-                  opd_coef: float = 0.0, num_tokens: Optional[float] = None, **ppo):
+                  opd_coef: float = 0.0, num_tokens: Optional[float | torch.Tensor] = None, **ppo):
     """The loss minimised on one (micro-)batch.          (paper: the student's objective)
 
         L = L_PPO(A) + kl_coef KL_ref - entropy_coef H  +  lambda L_OPD
@@ -494,7 +548,7 @@ class TurnSample:
     episode: int  # i: which episode
     prompt_ids: list  # the policy's prompt tokens (s_t; with skills in phase 1)
     response_ids: list  # y: the tokens the policy sampled (ending in EOS unless cut)
-    malformed: bool  # no <think>/<action> pair, an empty action, CJK, or cut at max_response_tokens
+    malformed: bool  # project_action: no <action> pair, no <think> or </think>, CJK, or cut at the cap
     teacher_prompt_ids: Optional[list] = None  # s_t^T, when a teacher will score y
     score: float = 0.0  # r_{i,t} (turn_scores), set when the episode ends
     sample_logp: Optional[torch.Tensor] = None  # (len(y),) log-probs of y as the sampler saw them
@@ -556,15 +610,14 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
         with meter.generate():
             responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature,
                                  prefill_batch=cfg.prefill_batch)
-        actions = []  # (episode, action); a malformed answer is a no-op: its env is not stepped
+        actions = []  # (episode, action): every answer steps its env, a malformed one too (project_action)
         for episode, prompt, teacher_prompt, response in zip(active, prompts, teacher_prompts, responses):
-            action = None if response.hit_cap else action_from_answer(
-                tokenizer.decode(response.ids, skip_special_tokens=True))
-            episode.samples.append(TurnSample(episode.group, episode.index, prompt, response.ids, action is None,
+            action, well_formed = project_action(tokenizer.decode(response.ids, skip_special_tokens=True), cfg.env,
+                                                 cut=response.hit_cap)
+            episode.samples.append(TurnSample(episode.group, episode.index, prompt, response.ids, not well_formed,
                                               teacher_prompt, sample_logp=response.logp))
             episode.turns += 1
-            if action is not None:
-                actions.append((episode, action))
+            actions.append((episode, action))
         with meter.env():
             step_episodes(actions, active, cfg.max_turns)
         meter.turn_done(responses, active, episodes)
@@ -604,10 +657,12 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
                teacher_logp: Optional[list] = None, opd_coef: float = 0.0, rng: Optional[random.Random] = None) -> dict:
     """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch: its
-    combined_loss is the token-mean over the whole mini-batch (under torchrun, of the global batch:
-    each rank computes its own samples' part), accumulated over micro-batches of at most
-    cfg.token_budget padded tokens. advantages[i]: (len(y_i),), None for pure OPD; teacher_logp: l^T,
-    None for no OPD term. A non-finite loss or gradient skips its step. Returns the update's metrics."""
+    combined_loss is the token-mean over the whole mini-batch (--loss-agg authors: the authors' mean of
+    micro-batch token-means, micro_batch_denominators; under torchrun, of the global batch: each rank
+    computes its own samples' part), accumulated over micro-batches of at most cfg.token_budget padded
+    tokens (how these are cut does not change the loss). advantages[i]: (len(y_i),), None for pure OPD;
+    teacher_logp: l^T, None for no OPD term. A non-finite loss or gradient skips its step. Returns the
+    update's metrics."""
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
     meter = UpdateMeter()  # loss and stat sums, token counts, gradient norms (plumbing)
@@ -620,6 +675,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
         for start in range(0, len(order), mini_batch):
             mini = order[start:start + mini_batch]
             num_tokens = sum(response_lengths[i] for i in mini)  # the mini-batch's token count
+            denominators = None if cfg.loss_agg == "exact" else dict(zip(mini, micro_batch_denominators(
+                [response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch)))  # --loss-agg authors
             mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this rank's samples in it
             optimizer.zero_grad(set_to_none=True)
             finite = True
@@ -633,7 +690,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                     logp, cat(old_logp), torch.ones_like(logp), advantages=cat(advantages), clip=cfg.clip_eps,
                     dual_clip=cfg.dual_clip, ref_logp=cat(ref_logp), kl_coef=kl_coef, entropy=entropy,
                     entropy_coef=cfg.entropy_coef, teacher_logp=cat(teacher_logp), opd_coef=opd_coef,
-                    num_tokens=num_tokens)
+                    num_tokens=num_tokens if denominators is None else cat(
+                        {i: torch.full((len(samples[i].response_ids),), float(denominators[first + i])) for i in idx}))
                 finite = finite and bool(torch.isfinite(loss))
                 (loss * world_size()).backward()  # FSDP averages the ranks' gradients; their sum is wanted
                 if finite:
@@ -815,8 +873,8 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
 # one it plays:  env.reset() -> (observation, info)  and  env.step(action) -> (observation, reward,
 # done, info), where info carries "task", "task_type" (the skill key), "admissible" and "won". The
 # reward slot is the environment's own (ALFWorld 1 on a win, WebShop the purchase score, the kitchen
-# 1 on a win); the training loop reads only `won` (R_i, turn_scores). A malformed model answer is a
-# no-op: the rollout loop does not call step at all.
+# 1 on a win); the training loop reads only `won` (R_i, turn_scores). Every answer steps the environment, a
+# malformed one with what project_action sends (mostly an inadmissible string, which changes nothing).
 
 # ----- The skills: the privileged information of self-OPD, plain data (SPEC: skills) --------------
 # Short strategy notes per task type, written by us. Only the teacher sees them (phase 1 while it
@@ -2166,6 +2224,7 @@ class Run:
     gathers its weights from all of them), and rank 0 writes what they gathered.
     """
     latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
+    tracker: Optional[Tracker] = None  # --report-to: every line logged goes there too (main starts it)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -2187,6 +2246,8 @@ class Run:
                 f.write(json.dumps(record) + "\n")
         except OSError as error:
             raise SystemExit(self.write_failure(name, error)) from None
+        if self.tracker is not None:
+            self.tracker.log(name, record)
 
     def write_failure(self, name: str, error: Exception) -> str:
         """The one line of a write into the run folder that failed (a full disk, a quota): what, why,
@@ -2418,6 +2479,95 @@ def retirement_message(iteration: int, retirement: Retirement, record: dict) -> 
             f"GRPO alone from iteration {retirement.retired_at}")
 
 
+# ----- The live dashboard (--report-to tensorboard | wandb) ----------------------------------------
+
+
+def tracker_step(cfg: Config, phase: str, iteration: int) -> int:
+    """A tracker's step: phase 1's iterations, then phase 2's (one axis, as the plot draws them)."""
+    offset = phase_iterations(cfg, "teacher") if phase == "student" and ALGORITHMS[cfg.algo].teacher_phase else 0
+    return offset + iteration
+
+
+def flat_numbers(record: dict, prefix: str) -> dict:
+    """{prefix/key: number} for every number of a record (booleans 0/1; nested dicts flattened with "/";
+    strings and None left out)."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flat_numbers(value, f"{prefix}/{key}"))
+        elif isinstance(value, (bool, int, float)):
+            out[f"{prefix}/{key}"] = float(value)
+    return out
+
+
+def tracker_record(cfg: Config, name: str, record: dict) -> Optional[tuple[int, dict]]:
+    """What a tracker gets from one line of the run folder's logs: (step, {key: number}), or None.
+    metrics.jsonl: PHASE/KEY for each number of the line; eval.jsonl: PHASE/PANEL_skills/KEY (or
+    _no_skills); events.jsonl: the retirement alone, student/retirement/KEY. The phase, iteration,
+    panel and skills of a line make its key and step, not values of their own."""
+    if name == "metrics.jsonl":
+        phase, iteration, prefix = record["phase"], record["iteration"], record["phase"]
+    elif name == "eval.jsonl":
+        phase, iteration = record["phase"], record["iteration"]
+        prefix = f"{phase}/{record['panel']}_{'skills' if record.get('skills') else 'no_skills'}"
+    elif name == "events.jsonl" and record.get("event") == "retirement":
+        phase, iteration, prefix = "student", record["decided_after_iteration"], "student/retirement"
+    else:
+        return None
+    keys = {"phase", "iteration", "panel", "skills", "event", "decided_after_iteration"}
+    return tracker_step(cfg, phase, iteration), flat_numbers({k: v for k, v in record.items() if k not in keys}, prefix)
+
+
+class Tracker:
+    """--report-to: a live dashboard beside the jsonl logs, on rank 0 (main starts it, Run.log feeds it).
+
+    tensorboard: event files in RUN_DIR/tensorboard; a resume appends there and purges the steps it
+    redoes. wandb: one W&B run whose id is the run's run_id (run.json), so a resume continues it
+    (W&B keeps the values it already has for the redone steps); project $WANDB_PROJECT or
+    "retireopd", its files in $WANDB_DIR or the run folder. Each package is imported only here."""
+
+    @staticmethod
+    def problem(report_to: str) -> Optional[str]:
+        """Why --report-to cannot run here, in one line (its package is missing), or None."""
+        try:
+            if report_to == "tensorboard":
+                import torch.utils.tensorboard  # noqa: F401 (it needs the tensorboard package)
+            elif report_to == "wandb":
+                import wandb  # noqa: F401
+        except ImportError:
+            return f"--report-to {report_to} needs the {report_to} package, not installed here: pip install {report_to}"
+        return None
+
+    def __init__(self, cfg: Config, run_dir: Path, run_id: str, purge_step: Optional[int] = None):
+        self.cfg = cfg
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+        else:
+            import wandb
+            self.writer = wandb.init(project=os.environ.get("WANDB_PROJECT") or "retireopd", name=run_dir.name,
+                                     id=run_id, resume="allow", config=dataclasses.asdict(cfg),
+                                     dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+
+    def log(self, name: str, record: dict) -> None:
+        found = tracker_record(self.cfg, name, record)
+        if found is None:
+            return
+        step, values = found
+        if self.cfg.report_to == "wandb":
+            self.writer.log(values, step=step)
+            return
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()  # (once per iteration: a crash loses nothing that metrics.jsonl has)
+
+    def close(self) -> None:
+        if self.cfg.report_to == "wandb":
+            self.writer.finish()
+        else:
+            self.writer.close()
+
+
 # ----- Phase bookkeeping for train_phase and the phases (section 6) --------------------------------
 
 
@@ -2646,7 +2796,8 @@ def resume_config(run_dir: str, given: dict) -> Config:
     # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
     # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
     # disk); and S_T, for a run that stopped at S_T = 0
-    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints")
+    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints",
+            "report_to")  # (and where it is watched: the dashboard)
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
                for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
@@ -2762,6 +2913,12 @@ def validate_config(cfg: Config) -> None:
         print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
     if cfg.frozen_dtype not in ("float32", "bfloat16"):
         problems.append("--frozen-dtype: float32 or bfloat16")
+    if cfg.loss_agg not in ("exact", "authors"):
+        problems.append("--loss-agg: exact (one token-mean per mini-batch) or authors (their micro-batch means)")
+    if cfg.micro_batch_rows < 1:
+        problems.append("--micro-batch-rows must be >= 1")
+    if cfg.report_to not in ("none", "tensorboard", "wandb"):
+        problems.append("--report-to: none, tensorboard or wandb")
     if cfg.batch_tasks % world_size():
         problems.append(f"--batch-tasks {cfg.batch_tasks}: under torchrun each of the {world_size()} processes "
                         "plays whole groups, so it must be a multiple of --nproc_per_node")
@@ -3150,6 +3307,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         return Path(resume_dir)
     if problem := model_source_problem(cfg.model):  # before the data and before anything is written
         raise SystemExit(f"retireopd: {problem}")
+    if problem := Tracker.problem(cfg.report_to):
+        raise SystemExit(f"retireopd: {problem}")
     if run_benchmark and world_size() > 1:
         raise SystemExit("retireopd: --benchmark runs in one process: start it with python, not torchrun")
     if main_process():  # (under torchrun the other ranks wait for it in start_processes)
@@ -3183,11 +3342,16 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
           f"{device}" + (f" and {world_size() - 1} more process(es)" if world_size() > 1 else "")
           + f"; run folder {run.dir}")
 
+    if cfg.report_to != "none" and main_process():  # the live dashboard (rank 0 reports)
+        redone = tracker_step(cfg, state["phase"], state["iteration"] + 1) if state else 0  # a resume's first step
+        run.tracker = Tracker(cfg, run.dir, run.run_id, purge_step=redone if resume_dir else None)
     models = Models(cfg, run, device, checkpoint, state)
     del state  # Models holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
     train(cfg, suite, run, models)
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
+    if run.tracker is not None:
+        run.tracker.close()
     stop_processes()
     if not main_process():
         return run.dir

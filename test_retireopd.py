@@ -252,6 +252,39 @@ def test_combined_loss_hand_computed_value_gradient_and_terms():
     assert float(opd_only.detach()) == pytest.approx(0.1 * 0.3068528 / 2, abs=1e-7) and "pg_loss" not in opd_stats
 
 
+def test_micro_batch_denominators_hand_computed():
+    # lengths 2, 2, 4, 1, 1 in groups of 2 rows: T = 4, 5, 1; S = ceil(5 / 2) = 3 accumulation steps -> D = S T
+    assert R.micro_batch_denominators([2, 2, 4, 1, 1], rows=2) == [12, 12, 15, 15, 3]
+    # equal lengths, a full mini-batch: D = S T = 2 x 6 = 12 = N, the exact token-mean
+    assert R.micro_batch_denominators([3, 3, 3, 3], rows=2) == [12] * 4
+    # a last mini-batch of 2 rows where the mini-batch holds 4: S = 2 all the same, so it weighs half
+    assert R.micro_batch_denominators([3, 3], rows=2, mini_batch=4) == [12, 12]
+    assert R.micro_batch_denominators([5], rows=8) == [5]  # one group: its own token-mean
+
+
+def test_loss_agg_authors_differs_from_the_token_mean_by_a_hand_computed_amount():
+    # two samples, 1 and 3 tokens, ratio 1: the surrogate per token is -A, A = +1 on the first, -1 on the others.
+    #   exact:   (-1 + 1 + 1 + 1) / 4 = 0.5,   d/dl = -A / 4
+    #   authors, groups of 1 row (S = 2): (-1/1 + 3/3) / 2 = 0,   d/dl = -A / D with D = [2, 6, 6, 6]
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    old, mask, adv = logp.detach().clone(), torch.ones(4), torch.tensor([1.0, -1.0, -1.0, -1.0])
+    exact, _ = R.combined_loss(logp, old, mask, advantages=adv, num_tokens=4)
+    denominators = torch.tensor([float(d) for d, n in zip(R.micro_batch_denominators([1, 3], rows=1), [1, 3])
+                                 for _ in range(n)])
+    assert denominators.tolist() == [2.0, 6.0, 6.0, 6.0]
+    authors, stats = R.combined_loss(logp, old, mask, advantages=adv, num_tokens=denominators)
+    assert float(exact.detach()) == pytest.approx(0.5) and float(authors.detach()) == pytest.approx(0.0, abs=1e-7)
+    assert stats["pg_loss"] == pytest.approx(0.0, abs=1e-7)  # the logged terms are aggregated the same way
+    (grad_exact,) = torch.autograd.grad(exact, logp)
+    (grad_authors,) = torch.autograd.grad(authors, logp)
+    assert torch.allclose(grad_exact, torch.tensor([-0.25, 0.25, 0.25, 0.25]))
+    assert torch.allclose(grad_authors, torch.tensor([-1 / 2, 1 / 6, 1 / 6, 1 / 6]))
+    # the OPD term and the entropy bonus are aggregated alike: teacher = logp + ln 2 on the first token only
+    teacher = old + torch.tensor([math.log(2.0), 0.0, 0.0, 0.0])
+    opd, opd_stats = R.combined_loss(logp, old, mask, teacher_logp=teacher, opd_coef=1.0, num_tokens=denominators)
+    assert opd_stats["opd_loss"] == pytest.approx(0.3068528 / 2, abs=1e-6)  # k3 = 0.306853 on a D = 2 token
+
+
 def test_teacher_success_is_the_mean_of_the_last_two_validations():
     assert R.teacher_success_rate([0.1, 0.5, 0.75]) == pytest.approx(0.625)  # (0.5 + 0.75) / 2
     assert R.teacher_success_rate([0.4]) == pytest.approx(0.4)  # one validation only: that one
@@ -438,14 +471,42 @@ def test_opd_expected_gradient_is_the_kl_gradient_and_naive_is_zero():
 # ==================================================================================================
 
 
-def test_action_from_answer_rules():
+def test_project_action_follows_the_authors_projection_branch_by_branch():
+    project = R.project_action
+    # well formed: the text between the first <action> and the first </action>, stripped, lowercased
+    assert project("<think>go</think><action>Go To Cabinet 1</action>", "alfworld") == ("go to cabinet 1", True)
+    assert project("<think>a</think> <action> click[buy now] </action> trailing", "webshop") == ("click[buy now]", True)
+    assert project("<think>a</think><action>look</action><action>go</action>", "alfworld") == ("look", True)
+    assert project("<think>x</think><ACTION>Look</ACTION>", "alfworld") == ("look", True)  # tags found lowercased
+    assert project("<think>x</think><action> </action>", "alfworld") == ("", True)  # empty: well formed, as theirs
+    assert project("<think>x</think></action>go<action>", "alfworld") == ("", True)  # </action> first: ""
+    # <think> or </think> missing (looked for as written: <THINK> is not <think>): the action is sent, malformed
+    assert project("<action>look</action>", "alfworld") == ("look", False)
+    assert project("<think>x<action>look</action>", "alfworld") == ("look", False)
+    assert project("x</think><action>look</action>", "kitchen") == ("look", False)
+    assert project("<THINK>x</THINK><action>look</action>", "alfworld") == ("look", False)
+    # a CJK Unified Ideograph (U+4E00-U+9FFF) anywhere: malformed; kana and hangul are outside the authors' range
+    assert project("<think>看</think><action>look</action>", "alfworld") == ("look", False)
+    assert project("<think>x</think><action>look 一</action>", "alfworld") == ("look 一", False)
+    assert project("<think>みる 보다</think><action>look</action>", "alfworld") == ("look", True)
+    # no <action> ... </action> pair: the answer's last 30 characters (WebShop 20), lowercased, malformed
+    rambling = "I should Go To The Cabinet 1 and then look around"
+    assert project(rambling, "alfworld") == ("cabinet 1 and then look around", False)
+    assert project(rambling, "kitchen") == ("cabinet 1 and then look around", False)
+    assert project(rambling, "webshop") == ("and then look around", False)
+    assert project("<think>x</think><action>look", "alfworld") == ("<think>x</think><action>look", False)  # short
+    assert project("", "alfworld") == ("", False)
+    # ours: an answer cut at --max-response-tokens is projected the same way, and malformed
+    assert project("<think>x</think><action>look</action>", "alfworld", cut=True) == ("look", False)
+    assert project("<think>x</think><action>lo", "webshop", cut=True) == (">x</think><action>lo", False)  # 26 - 6
+
+
+def test_action_from_answer_is_the_action_of_a_well_formed_answer():
     assert R.action_from_answer("<think>go</think><action>Go To Cabinet 1</action>") == "go to cabinet 1"
-    assert R.action_from_answer("<think>a</think> <action> click[buy now] </action> trailing") == "click[buy now]"
-    assert R.action_from_answer("<action>look</action>") is None  # no think pair
-    assert R.action_from_answer("<think>x</think><action>look") is None  # unclosed action
-    assert R.action_from_answer("<think>看</think><action>look</action>") is None  # CJK
-    assert R.action_from_answer("<think>x</think><action> </action>") is None  # empty action
-    assert R.action_from_answer("") is None
+    assert R.action_from_answer("<think>x</think><action> </action>") == ""  # empty: well formed
+    for malformed in ("<action>look</action>", "<think>x</think><action>look", "<think>看</think><action>look</action>",
+                      ""):
+        assert R.action_from_answer(malformed) is None
 
 
 def test_teacher_prompt_is_student_prompt_plus_skills_before_task():
@@ -613,15 +674,49 @@ def test_environment_exceptions_end_the_episode_as_a_logged_failure(tiny):
     assert all(not s.malformed and s.score == 0.0 for s in samples)
 
 
-def test_malformed_answers_are_penalised_noops(tiny):
+def test_malformed_answers_are_penalised_and_still_step_the_environment(tiny):
     model, tok = tiny  # the random tiny model never writes the tags: every turn is malformed
     cfg = small_cfg(env="alfworld", max_turns=3)
     samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2,
                                          skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
     assert len(samples) == 6 and all(s.malformed for s in samples)
     assert all(s.score == pytest.approx(-0.1) for s in samples)
-    assert all(e.history == [] and e.turns == 3 and not e.won for e in episodes)
+    assert all(len(e.history) == 3 and e.turns == 3 and not e.won for e in episodes)  # stepped every turn
+    assert all(len(action) <= 30 for e in episodes for _, action in e.history)  # an answer's last 30 characters
     assert stats["malformed_frac"] == 1.0
+
+
+class RecordingSuite(FakeSuite):
+    """FakeSuite whose environment records what it was sent, and numbers its observations."""
+
+    class Env(FakeSuite.Env):
+        def __init__(self):
+            self.sent = []
+
+        def step(self, action):
+            self.sent.append(action)
+            won = action == "open box 1"
+            return f"observation {len(self.sent)}", 10.0 * won, won, {"admissible": ["look"], "won": won}
+
+
+def test_a_malformed_turn_steps_the_env_with_the_projection_and_enters_the_history(tiny, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(R, "generate", _scripted(tok, [
+        ("<action>Look</action><|im_end|>", False),                     # no <think>: "look", malformed
+        ("I will Open The Box 1 now, of course<|im_end|>", False),       # no tags: its last 30 characters
+        ("<think>x</think><action>open box 1</action><|im_end|>", False)]))  # wins
+    samples, (episode,), _ = R.rollout(model, tok, RecordingSuite(), [0], small_cfg(env="alfworld", max_turns=5),
+                                       group_size=1, skills_in_prompt=False, with_teacher_prompts=False,
+                                       temperature=1.0)
+    fallback = " open the box 1 now, of course"  # 30 characters, lowercased, not stripped (theirs)
+    assert episode.env.sent == ["look", fallback, "open box 1"] and episode.won
+    assert episode.history == [("a box 1", "look"), ("observation 1", fallback), ("observation 2", "open box 1")]
+    assert [s.malformed for s in samples] == [True, True, False]
+    assert [s.score for s in samples] == pytest.approx([9.9, 9.9, 10.0])
+    third_prompt = tok.decode(samples[2].prompt_ids)  # the turn after the malformed ones shows both pairs
+    assert "You have taken 2 step(s)" in third_prompt
+    assert "Observation: a box 1\nAction: look\nObservation: observation 1\nAction:  open the box 1 now" in third_prompt
+    assert "Current observation:\nobservation 2" in third_prompt
 
 
 def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
@@ -646,6 +741,60 @@ def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
     (loss_micro, grad_micro), (loss_one, grad_one) = loss_and_grad_norm(max(lengths)), loss_and_grad_norm(10 ** 6)
     assert loss_micro == pytest.approx(loss_one, abs=1e-5)
     assert grad_micro == pytest.approx(grad_one, rel=1e-4)  # the accumulated gradient, not only the loss
+
+
+def test_loss_agg_flags_fail_in_one_line_before_anything_runs(tmp_path):
+    for flags, message in ((["--loss-agg", "seq-mean"], "--loss-agg: exact"),
+                           (["--micro-batch-rows", "0"], "--micro-batch-rows must be >= 1")):
+        with pytest.raises(SystemExit, match=message) as failure:
+            R.main(["--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags])
+        assert "\n" not in str(failure.value.code)
+    assert not (tmp_path / "x").exists()
+    assert R.parse_config({"model": "tiny", "run_dir": str(tmp_path / "y")}).loss_agg == "exact"  # the default
+
+
+def _update_gradient(model, samples, advantages, cfg, mini_batch):
+    """(loss, flat gradient) of one ppo_update step that does not move the model (SGD, lr 0)."""
+    copied = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.0)
+    grads, step = [], optimizer.step
+    optimizer.step = lambda: (grads.append(torch.cat([p.grad.flatten() for p in copied.parameters()])), step())[1]
+    old = R.response_logprobs(copied, samples, cfg)
+    out = R.ppo_update(copied, optimizer, samples, old, advantages, cfg, mini_batch=mini_batch, rng=random.Random(0))
+    (grad,) = grads
+    return out["loss"], grad
+
+
+def test_loss_agg_authors_equals_the_token_mean_for_equal_lengths_and_not_otherwise(tiny):
+    model, tok = tiny
+    rng = random.Random(5)
+    cfg = small_cfg(entropy_coef=0.0, grad_clip=1e9, token_budget=64)  # token budget: several micro-batches
+    authors = R.dataclasses.replace(cfg, loss_agg="authors", micro_batch_rows=2)
+
+    def batch(lengths):
+        samples = [R.TurnSample(0, k, [rng.randrange(1000) for _ in range(rng.randrange(2, 9))],
+                                [rng.randrange(1000) for _ in range(n)], False) for k, n in enumerate(lengths)]
+        return samples, [torch.full((n,), a) for n, a in zip(lengths, (1.0, -0.5, 0.3, -1.2, 0.8, 0.1))]
+
+    samples, advantages = batch([4] * 6)  # equal lengths, a full mini-batch of 3 groups of 2
+    (loss_exact, grad_exact), (loss_authors, grad_authors) = (
+        _update_gradient(model, samples, advantages, c, mini_batch=6) for c in (cfg, authors))
+    assert loss_authors == pytest.approx(loss_exact, rel=1e-6, abs=1e-7)
+    assert torch.allclose(grad_authors, grad_exact, rtol=1e-5, atol=1e-8)
+    # unequal lengths: ratio 1, so the loss is sum_i -A_i n_i / D_i over the groups of the shuffled order
+    lengths = [1, 7, 2, 5, 3, 3]
+    samples, advantages = batch(lengths)
+    order = list(range(6))
+    random.Random(0).shuffle(order)  # ppo_update's mini-batch order (rng Random(0))
+    expected = {"exact": -sum(float(advantages[i][0]) * lengths[i] for i in order) / sum(lengths), "authors": 0.0}
+    for pair in (order[0:2], order[2:4], order[4:6]):  # S = 3 steps; each group's token-mean, / S
+        expected["authors"] -= sum(float(advantages[i][0]) * lengths[i] for i in pair) / sum(lengths[i] for i in pair) / 3
+    (loss_exact, grad_exact), (loss_authors, grad_authors) = (
+        _update_gradient(model, samples, advantages, c, mini_batch=6) for c in (cfg, authors))
+    assert loss_exact == pytest.approx(expected["exact"], abs=1e-6)
+    assert loss_authors == pytest.approx(expected["authors"], abs=1e-6)
+    assert abs(expected["authors"] - expected["exact"]) > 0.05  # the toy is not a tie
+    assert float(torch.nn.functional.cosine_similarity(grad_exact, grad_authors, dim=0)) < 0.999
 
 
 def test_gpu_numerics_path_on_cpu_bf16_autocast_and_gradient_checkpointing(tiny, monkeypatch):
@@ -1730,6 +1879,130 @@ def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
                                                f"--resume '{run_dir}'` (from the last checkpoint)")
 
 
+# --- --report-to: the live dashboard gets what the logs get ---------------------------------------------
+
+def test_tracker_records_are_the_log_lines_numbers_at_one_step_across_the_phases():
+    cfg = R.Config(model="tiny", iterations=4, teacher_iterations=3)
+    line = {"phase": "student", "iteration": 1, "success": 0.5, "retired": True, "gap": None, "phase_note": "x",
+            "nested": {"a": 2, "b": {"c": False}}}
+    assert R.tracker_record(cfg, "metrics.jsonl", line) == (4, {  # phase 1's 3 iterations, then phase 2's
+        "student/success": 0.5, "student/retired": 1.0, "student/nested/a": 2.0, "student/nested/b/c": 0.0})
+    assert R.tracker_record(cfg, "metrics.jsonl", {"phase": "teacher", "iteration": 2, "loss": -1}) == (
+        2, {"teacher/loss": -1.0})
+    validation = {"phase": "teacher", "iteration": 0, "panel": "validation", "dorl": 1.0, "overall": 0.25, "n": 4,
+                  "skills": True, "seed": 12345, "temperature": 0.4}
+    assert R.tracker_record(cfg, "eval.jsonl", validation) == (0, {
+        "teacher/validation_skills/dorl": 1.0, "teacher/validation_skills/overall": 0.25,
+        "teacher/validation_skills/n": 4.0, "teacher/validation_skills/seed": 12345.0,
+        "teacher/validation_skills/temperature": 0.4})
+    report = {"phase": "student", "iteration": 3, "panel": "report", "overall": 1.0, "skills": False}
+    assert R.tracker_record(cfg, "eval.jsonl", report) == (6, {"student/report_no_skills/overall": 1.0})
+    retirement = {"event": "retirement", "rule": "adaptive", "retired_at": 2, "decided_after_iteration": 1,
+                  "judged_block": 0.2, "progress": -1.0, "competence": 1.1, "val_success": 0.9, "criterion_valid": True}
+    assert R.tracker_record(cfg, "events.jsonl", retirement) == (4, {
+        "student/retirement/retired_at": 2.0, "student/retirement/judged_block": 0.2,
+        "student/retirement/progress": -1.0, "student/retirement/competence": 1.1,
+        "student/retirement/val_success": 0.9, "student/retirement/criterion_valid": 1.0})
+    for event in ({"event": "done", "wall_s": 3.0}, {"event": "memory_estimate", "phase": "phase 1", "gib": {}}):
+        assert R.tracker_record(cfg, "events.jsonl", event) is None
+    grpo = R.dataclasses.replace(cfg, algo="grpo")  # no phase 1: phase 2 starts at step 0
+    assert R.tracker_record(grpo, "metrics.jsonl", {"phase": "student", "iteration": 1})[0] == 1
+
+
+@pytest.mark.parametrize("tracker,module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
+def test_a_missing_tracker_package_is_a_one_line_error_before_anything_is_written(tmp_path, monkeypatch, capsys,
+                                                                                   tracker, module):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(SystemExit) as stop:
+        R.main(QUICK + ["--env", "webshop", "--report-to", tracker, "--run-dir", str(tmp_path / "run")])
+    assert str(stop.value) == (f"retireopd: --report-to {tracker} needs the {tracker} package, not installed here: "
+                               f"pip install {tracker}")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit, match="--report-to: none, tensorboard or wandb"):
+        R.parse_config({"model": "tiny", "report_to": "mlflow", "run_dir": str(tmp_path / "other")})
+
+
+def test_only_rank_0_reports(tmp_path, monkeypatch):
+    run = R.Run(R.parse_config({"model": "tiny", "env": "webshop", "run_dir": str(tmp_path / "run")}))
+    sent = []
+    run.tracker = type("Recorder", (), {"log": lambda self, name, record: sent.append((name, record))})()
+    run.log("metrics.jsonl", {"phase": "teacher", "iteration": 0, "success": 0.0})
+    monkeypatch.setenv("RANK", "1")  # under torchrun, another rank logs the same line: it writes and sends nothing
+    run.log("metrics.jsonl", {"phase": "teacher", "iteration": 1, "success": 0.0})
+    assert sent == [("metrics.jsonl", {"phase": "teacher", "iteration": 0, "success": 0.0})]
+    assert len(R.read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 1
+
+
+def scalars(folder):
+    """{tag: [(step, value)]} of every scalar in a TensorBoard log folder, read back by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_tensorboard_gets_every_metrics_line_evaluation_and_the_retirement_and_a_resume_appends(tmp_path,
+                                                                                              monkeypatch):
+    pytest.importorskip("tensorboard", reason="tensorboard is in requirements.txt; without it this test cannot run")
+    run_dir = tmp_path / "run"  # interrupted where the checkpoint after student iteration 1 would be written
+    flags = ["--env", "webshop", "--iterations", "4", "--retire-at", "2", "--report-to", "tensorboard"]
+    crash_instead_of_saving(monkeypatch, run_dir, flags, lambda name: name == "checkpoints/1-student-00001")
+    before = scalars(run_dir / "tensorboard")
+    assert [step for step, _ in before["student/success"]] == [4, 5]  # phase 1's 4 iterations, then phase 2's
+    R.main(["--resume", str(run_dir)])  # redoes student iteration 1, then goes on
+    assert len(list((run_dir / "tensorboard").iterdir())) == 2  # the same folder: a second event file
+    logged = scalars(run_dir / "tensorboard")
+    metrics = R.read_jsonl(run_dir / "metrics.jsonl")
+    for m in metrics:  # each number of each line, once, at its step (the redone iteration's first try purged)
+        step = m["iteration"] + (4 if m["phase"] == "student" else 0)
+        for key in ("success", "loss", "grad_norm", "retired", "gap"):
+            if key in m:
+                assert [v for s, v in logged[f"{m['phase']}/{key}"] if s == step] == [pytest.approx(float(m[key]))]
+    assert [s for s, _ in logged["student/success"]] == [4, 5, 6, 7] and [s for s, _ in logged["teacher/loss"]] == [
+        0, 1, 2, 3]
+    for e in R.read_jsonl(run_dir / "eval.jsonl"):
+        tag = f"{e['phase']}/{e['panel']}_{'skills' if e['skills'] else 'no_skills'}/overall"
+        step = e["iteration"] + (4 if e["phase"] == "student" else 0)
+        assert [v for s, v in logged[tag] if s == step] == [pytest.approx(e["overall"])]
+    assert logged["student/retirement/retired_at"] == [(5, 2.0)]  # decided after student iteration 1
+
+
+@pytest.mark.slow
+def test_wandb_offline_gets_the_same_numbers_and_a_resume_continues_the_same_run(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="wandb is in requirements.txt; without it this test cannot run")
+    for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                       "WANDB_CONSOLE": "off", "WANDB_PROJECT": "retireopd-test"}.items():
+        monkeypatch.setenv(key, value)  # no network: the run is written to WANDB_DIR/wandb/offline-run-*
+    run_dir = tmp_path / "run"
+    flags = ["--env", "webshop", "--algo", "grpo", "--report-to", "wandb"]
+    crash_instead_of_saving(monkeypatch, run_dir, flags, lambda name: name == "checkpoints/1-student-00001")
+    wandb.finish()  # what the end of a crashed process does
+    R.main(["--resume", str(run_dir)])
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    offline = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(folder.name.endswith("-" + run_id) for folder in offline)  # one W&B run, twice
+    history, runs = [], []
+    for folder in offline:  # read back by wandb's own reader of its transaction log
+        (log,) = folder.glob("run-*.wandb")
+        done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
+                              capture_output=True, text=True, timeout=120)
+        records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        history += [r["history"]["item"] for r in records if r.get("type") == "history"]
+        runs += [r["run"] for r in records if r.get("type") == "run"]
+    assert {r["run_id"] for r in runs} == {run_id} and {r["project"] for r in runs} == {"retireopd-test"}
+    by_step = {}
+    for item in history:
+        by_step.setdefault(item["_step"], {}).update(item)
+    metrics = R.read_jsonl(run_dir / "metrics.jsonl")
+    assert sorted(by_step) == [m["iteration"] for m in metrics] == [0, 1, 2]  # --algo grpo: phase 2 from step 0
+    for m in metrics:
+        for key in ("success", "loss", "grad_norm", "samples"):
+            assert by_step[m["iteration"]][f"student/{key}"] == pytest.approx(float(m[key]))
+    for e in R.read_jsonl(run_dir / "eval.jsonl"):
+        assert by_step[e["iteration"]][f"student/{e['panel']}_no_skills/overall"] == pytest.approx(e["overall"])
+
+
 # --- --model: a missing folder, an unknown hub id, no network: one line, in seconds, nothing written ---
 
 def closed_port_url():
@@ -2170,13 +2443,14 @@ def _scripted(tok, answers):
 def test_turn_scores_cut_answers_and_episode_reward_on_every_turn(tiny, monkeypatch):
     model, tok = tiny
     monkeypatch.setattr(R, "generate", _scripted(tok, [
-        ("<think>x</think><action>open box 1</action>", True),    # cut at the cap: malformed
+        ("<think>x</think><action>look</action>", True),          # cut at the cap: malformed (look is still sent)
         ("garbage", False),                                        # malformed
         ("<think>x</think><action>open box 1</action><|im_end|>", False)]))  # wins
     samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], small_cfg(env="alfworld", max_turns=5),
                                          group_size=2, skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
     assert all(e.won and e.turns == 3 for e in episodes)
-    lengths = [len(tok(text)["input_ids"]) for text in ("<think>x</think><action>open box 1</action>", "garbage",
+    assert all([action for _, action in e.history] == ["look", "garbage", "open box 1"] for e in episodes)
+    lengths = [len(tok(text)["input_ids"]) for text in ("<think>x</think><action>look</action>", "garbage",
                                                        "<think>x</think><action>open box 1</action><|im_end|>")]
     assert stats["gen_steps"] == sum(lengths)  # one batched call per turn, as long as its longest answer
     assert [s.malformed for s in samples[:6:2]] == [True, True, False]
@@ -2655,6 +2929,30 @@ def test_the_sharded_update_is_the_one_process_update(tmp_path):
     assert max(float((w - start[k]).abs().max()) for k, w in one["weights"].items()) > 3e-3  # 6 steps of lr 1e-3
     for key, weight in one["weights"].items():  # the same update: equal up to the order of float sums
         assert torch.allclose(two["weights"][key], weight, atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_the_sharded_update_is_the_one_process_update_with_the_authors_aggregation(tmp_path):
+    # groups of 2 rows are cut from the global mini-batch's order, so 2 processes form the same ones as 1
+    script = SHARDED_UPDATE.replace('lr=1e-3)', 'lr=1e-3, loss_agg="authors", micro_batch_rows=2)')
+    assert script != SHARDED_UPDATE
+    (tmp_path / "authors.py").write_text(script)
+    here = str(Path(__file__).parent)
+    done = subprocess.run([sys.executable, str(tmp_path / "authors.py"), str(tmp_path / "one.pt"), here],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-8000:]
+    done = torchrun(str(tmp_path / "authors.py"), str(tmp_path / "two.pt"), here)
+    assert done.returncode == 0, done.stderr[-8000:]
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for key in ("loss", "pg_loss", "opd_loss", "entropy", "grad_norm", "trained_tokens"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
+    for key, weight in one["weights"].items():
+        assert torch.allclose(two["weights"][key], weight, atol=1e-5), key
+    (tmp_path / "exact.py").write_text(SHARDED_UPDATE)  # and the aggregation is not the exact one's
+    done = subprocess.run([sys.executable, str(tmp_path / "exact.py"), str(tmp_path / "exact.pt"), here],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-8000:]
+    assert abs(torch.load(tmp_path / "exact.pt")["stats"]["loss"] - one["stats"]["loss"]) > 1e-4
 
 
 TORCHRUN_FLAGS = QUICK + ["--env", "webshop", "--batch-tasks", "2", "--mini-batch", "4", "--opd-mini-batch", "4",
