@@ -210,8 +210,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--out", default="runs/study", help="folder of the study's run folders")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each uses one CPU thread)")
-    parser.add_argument("--retire-early", type=int, default=6, help="--retire-at of the early fixed schedule")
-    parser.add_argument("--retire-late", type=int, default=30, help="--retire-at of the late fixed schedule")
+    parser.add_argument("--retire-early", type=int, default=8, help="--retire-at of the early fixed schedule")
+    parser.add_argument("--retire-late", type=int, default=40, help="--retire-at of the late fixed schedule")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="run only these (retireopd is always run: it trains the teacher)")
     parser.add_argument("--figure", action="append", default=[], help="also write the figure here (repeatable)")

@@ -73,12 +73,12 @@ def test_finished_runs_are_reused_and_other_settings_refused(tmp_path, monkeypat
     assert rows[1]["retireopd"] == 0.9 and (tmp_path / "study.md").is_file()
     assert json.loads((tmp_path / "study.json").read_text())["rows"]["0"]["S_T"] == 0.5
     with pytest.raises(SystemExit, match="other settings"):
-        study.main(["--seeds", "0", "--out", str(tmp_path), "--retire-late", "40"])
+        study.main(["--seeds", "0", "--out", str(tmp_path), "--retire-late", "45"])
 
 
 def test_a_started_run_is_resumed_and_a_new_one_gets_its_flags(tmp_path):
     run = tmp_path / "seed2" / "opd"
-    fresh = study.command("opd", 2, run, tmp_path / "seed2" / "retireopd" / "teacher", 6, 30, ["--opd-coef", "1"])
+    fresh = study.command("opd", 2, run, tmp_path / "seed2" / "retireopd" / "teacher", 8, 40, ["--opd-coef", "1"])
     assert fresh[1:] == [str(study.HERE / "retireopd.py"), "--model", "tiny", "--seed", "2", "--run-dir", str(run),
                          "--algo", "opd", "--teacher", str(tmp_path / "seed2" / "retireopd" / "teacher"),
                          "--opd-coef", "1"]
