@@ -771,11 +771,12 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
     torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase) + 100_000 * rank())  # sampling: per phase and rank
     # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
-    mini_batch, kl_coef = phase_protocol(cfg, distilling=retirement is not None or frozen.teacher is not None)
+    distilling = retirement is not None or frozen.teacher is not None
+    mini_batch, kl_coef = phase_protocol(cfg, distilling)
     val_successes, first = restore_phase(resume, policy, optimizer, rng, device) if resume else ([], 0)
     iterations = phase_iterations(cfg, phase)
-    if resume is None:  # as the authors (verl's val_before_train): the starting model, before any update
-        validate(phase, -1, policy, tokenizer, suite, cfg, run, skills_in_prompt)
+    if resume is None and not distilling:  # the starting model, before any update, as the authors' phase-1
+        validate(phase, -1, policy, tokenizer, suite, cfg, run, skills_in_prompt)  # and GRPO scripts do
     bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True, initial=first,
                total=iterations, disable=not main_process())
     for iteration in bar:

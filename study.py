@@ -180,6 +180,8 @@ def draw(rows: dict, out: Path, figures: list) -> None:
         for n, variant in enumerate(VARIANTS):
             points = [(r["iteration"], r["overall"]) for r in read_jsonl(out / f"seed{seed}" / variant / "eval.jsonl")
                       if r["phase"] == "student" and r["panel"] == "validation"]
+            if points and points[0][0] >= 0 and rows[seed]["base"] is not None:  # a phase 2 with a teacher does
+                points.insert(0, (-1, rows[seed]["base"]))  # not validate first: the base model's, without skills
             if points:
                 ax.plot(*zip(*points), "o-" if variant == "retireopd" else ".-", color=f"C{n}", markersize=3,
                         linewidth=2 if variant == "retireopd" else 1, label=variant)

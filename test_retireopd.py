@@ -906,13 +906,14 @@ def test_every_algo_runs_to_completion(tmp_path, algo, env):
     assert evals and all("overall" in e and e["seed"] == 12345 for e in evals)
     if algo == "skill-grpo":  # the teacher's report is with and without its skills
         assert {e["skills"] for e in evals if e["panel"] == "report"} == {True, False}
-    # a validation before the first update of each phase (the authors' val_before_train), then after every
-    # iteration (--eval-every 1); the teacher's, as the authors', with its skills and without
+    # a validation after every iteration (--eval-every 1), and, as the authors' phase-1 and GRPO scripts
+    # (val_before_train; their phase-2 scripts turn it off), one before the first update of a phase
+    # without a teacher; the teacher's, as theirs, with its skills and without
     validations = [(e["phase"], e["iteration"], e["skills"]) for e in evals if e["panel"] == "validation"]
     teacher_validations = [("teacher", k, skills) for k in (-1, 0, 1, 2) for skills in (True, False)]
-    student_validations = [("student", k, False) for k in (-1, 0, 1, 2)]
-    assert validations == {"grpo": student_validations, "skill-grpo": teacher_validations}.get(
-        algo, teacher_validations + student_validations)
+    grpo_validations = [("student", k, False) for k in (-1, 0, 1, 2)]
+    assert validations == {"grpo": grpo_validations, "skill-grpo": teacher_validations}.get(
+        algo, teacher_validations + grpo_validations[1:])
     assert all(bool(e.get("before_training")) == (e["iteration"] == -1) for e in evals if e["panel"] == "validation")
     retirements = [e for e in events if e["event"] == "retirement"]
     students = [m for m in metrics if m["phase"] == "student"]
