@@ -2484,9 +2484,11 @@ def retirement_message(iteration: int, retirement: Retirement, record: dict) -> 
 
 
 def tracker_step(cfg: Config, phase: str, iteration: int) -> int:
-    """A tracker's step: phase 1's iterations, then phase 2's (one axis, as the plot draws them)."""
+    """A tracker's step: the updates done so far, phase 1's then phase 2's (one axis, as the plot draws
+    them). Iteration i ends at step i + 1, so a validation before training (iteration -1) is step 0, as
+    in verl's val_before_train; trackers take no negative step (W&B drops it)."""
     offset = phase_iterations(cfg, "teacher") if phase == "student" and ALGORITHMS[cfg.algo].teacher_phase else 0
-    return offset + iteration
+    return offset + iteration + 1
 
 
 def flat_numbers(record: dict, prefix: str) -> dict:
@@ -2505,7 +2507,7 @@ def tracker_record(cfg: Config, name: str, record: dict) -> Optional[tuple[int, 
     """What a tracker gets from one line of the run folder's logs: (step, {key: number}), or None.
     metrics.jsonl: PHASE/KEY for each number of the line; eval.jsonl: PHASE/PANEL_skills/KEY (or
     _no_skills); events.jsonl: the retirement alone, student/retirement/KEY. The phase, iteration,
-    panel and skills of a line make its key and step, not values of their own."""
+    panel and skills of a line (and before_training: step 0) make its key and step, not values."""
     if name == "metrics.jsonl":
         phase, iteration, prefix = record["phase"], record["iteration"], record["phase"]
     elif name == "eval.jsonl":
@@ -2515,7 +2517,7 @@ def tracker_record(cfg: Config, name: str, record: dict) -> Optional[tuple[int, 
         phase, iteration, prefix = "student", record["decided_after_iteration"], "student/retirement"
     else:
         return None
-    keys = {"phase", "iteration", "panel", "skills", "event", "decided_after_iteration"}
+    keys = {"phase", "iteration", "panel", "skills", "before_training", "event", "decided_after_iteration"}
     return tracker_step(cfg, phase, iteration), flat_numbers({k: v for k, v in record.items() if k not in keys}, prefix)
 
 

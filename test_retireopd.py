@@ -1886,28 +1886,31 @@ def test_tracker_records_are_the_log_lines_numbers_at_one_step_across_the_phases
     cfg = R.Config(model="tiny", iterations=4, teacher_iterations=3)
     line = {"phase": "student", "iteration": 1, "success": 0.5, "retired": True, "gap": None, "phase_note": "x",
             "nested": {"a": 2, "b": {"c": False}}}
-    assert R.tracker_record(cfg, "metrics.jsonl", line) == (4, {  # phase 1's 3 iterations, then phase 2's
+    assert R.tracker_record(cfg, "metrics.jsonl", line) == (5, {  # phase 1's 3 updates, then phase 2's 2nd
         "student/success": 0.5, "student/retired": 1.0, "student/nested/a": 2.0, "student/nested/b/c": 0.0})
     assert R.tracker_record(cfg, "metrics.jsonl", {"phase": "teacher", "iteration": 2, "loss": -1}) == (
-        2, {"teacher/loss": -1.0})
+        3, {"teacher/loss": -1.0})
     validation = {"phase": "teacher", "iteration": 0, "panel": "validation", "dorl": 1.0, "overall": 0.25, "n": 4,
                   "skills": True, "seed": 12345, "temperature": 0.4}
-    assert R.tracker_record(cfg, "eval.jsonl", validation) == (0, {
+    assert R.tracker_record(cfg, "eval.jsonl", validation) == (1, {
         "teacher/validation_skills/dorl": 1.0, "teacher/validation_skills/overall": 0.25,
         "teacher/validation_skills/n": 4.0, "teacher/validation_skills/seed": 12345.0,
         "teacher/validation_skills/temperature": 0.4})
     report = {"phase": "student", "iteration": 3, "panel": "report", "overall": 1.0, "skills": False}
-    assert R.tracker_record(cfg, "eval.jsonl", report) == (6, {"student/report_no_skills/overall": 1.0})
+    assert R.tracker_record(cfg, "eval.jsonl", report) == (7, {"student/report_no_skills/overall": 1.0})
+    before = {"phase": "teacher", "iteration": -1, "panel": "validation", "overall": 0.0, "skills": False,
+              "before_training": True}  # the validation before any update: step 0, never a negative one
+    assert R.tracker_record(cfg, "eval.jsonl", before) == (0, {"teacher/validation_no_skills/overall": 0.0})
     retirement = {"event": "retirement", "rule": "adaptive", "retired_at": 2, "decided_after_iteration": 1,
                   "judged_block": 0.2, "progress": -1.0, "competence": 1.1, "val_success": 0.9, "criterion_valid": True}
-    assert R.tracker_record(cfg, "events.jsonl", retirement) == (4, {
+    assert R.tracker_record(cfg, "events.jsonl", retirement) == (5, {
         "student/retirement/retired_at": 2.0, "student/retirement/judged_block": 0.2,
         "student/retirement/progress": -1.0, "student/retirement/competence": 1.1,
         "student/retirement/val_success": 0.9, "student/retirement/criterion_valid": 1.0})
     for event in ({"event": "done", "wall_s": 3.0}, {"event": "memory_estimate", "phase": "phase 1", "gib": {}}):
         assert R.tracker_record(cfg, "events.jsonl", event) is None
-    grpo = R.dataclasses.replace(cfg, algo="grpo")  # no phase 1: phase 2 starts at step 0
-    assert R.tracker_record(grpo, "metrics.jsonl", {"phase": "student", "iteration": 1})[0] == 1
+    grpo = R.dataclasses.replace(cfg, algo="grpo")  # no phase 1: phase 2's validation before training is step 0
+    assert R.tracker_record(grpo, "metrics.jsonl", {"phase": "student", "iteration": 1})[0] == 2
 
 
 @pytest.mark.parametrize("tracker,module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
@@ -1950,23 +1953,23 @@ def test_tensorboard_gets_every_metrics_line_evaluation_and_the_retirement_and_a
     flags = ["--env", "webshop", "--iterations", "4", "--retire-at", "2", "--report-to", "tensorboard"]
     crash_instead_of_saving(monkeypatch, run_dir, flags, lambda name: name == "checkpoints/1-student-00001")
     before = scalars(run_dir / "tensorboard")
-    assert [step for step, _ in before["student/success"]] == [4, 5]  # phase 1's 4 iterations, then phase 2's
+    assert [step for step, _ in before["student/success"]] == [5, 6]  # phase 1's 4 updates, then phase 2's
     R.main(["--resume", str(run_dir)])  # redoes student iteration 1, then goes on
     assert len(list((run_dir / "tensorboard").iterdir())) == 2  # the same folder: a second event file
     logged = scalars(run_dir / "tensorboard")
     metrics = R.read_jsonl(run_dir / "metrics.jsonl")
     for m in metrics:  # each number of each line, once, at its step (the redone iteration's first try purged)
-        step = m["iteration"] + (4 if m["phase"] == "student" else 0)
+        step = m["iteration"] + 1 + (4 if m["phase"] == "student" else 0)
         for key in ("success", "loss", "grad_norm", "retired", "gap"):
             if key in m:
                 assert [v for s, v in logged[f"{m['phase']}/{key}"] if s == step] == [pytest.approx(float(m[key]))]
-    assert [s for s, _ in logged["student/success"]] == [4, 5, 6, 7] and [s for s, _ in logged["teacher/loss"]] == [
-        0, 1, 2, 3]
+    assert [s for s, _ in logged["student/success"]] == [5, 6, 7, 8] and [s for s, _ in logged["teacher/loss"]] == [
+        1, 2, 3, 4]
     for e in R.read_jsonl(run_dir / "eval.jsonl"):
         tag = f"{e['phase']}/{e['panel']}_{'skills' if e['skills'] else 'no_skills'}/overall"
-        step = e["iteration"] + (4 if e["phase"] == "student" else 0)
+        step = e["iteration"] + 1 + (4 if e["phase"] == "student" else 0)  # before training: step 0
         assert [v for s, v in logged[tag] if s == step] == [pytest.approx(e["overall"])]
-    assert logged["student/retirement/retired_at"] == [(5, 2.0)]  # decided after student iteration 1
+    assert logged["student/retirement/retired_at"] == [(6, 2.0)]  # decided after student iteration 1
 
 
 @pytest.mark.slow
@@ -1996,12 +1999,15 @@ def test_wandb_offline_gets_the_same_numbers_and_a_resume_continues_the_same_run
     for item in history:
         by_step.setdefault(item["_step"], {}).update(item)
     metrics = R.read_jsonl(run_dir / "metrics.jsonl")
-    assert sorted(by_step) == [m["iteration"] for m in metrics] == [0, 1, 2]  # --algo grpo: phase 2 from step 0
+    assert [m["iteration"] for m in metrics] == [0, 1, 2]  # --algo grpo: no phase 1; before training is step 0
+    assert sorted(by_step) == [0, 1, 2, 3]
     for m in metrics:
         for key in ("success", "loss", "grad_norm", "samples"):
-            assert by_step[m["iteration"]][f"student/{key}"] == pytest.approx(float(m[key]))
-    for e in R.read_jsonl(run_dir / "eval.jsonl"):
-        assert by_step[e["iteration"]][f"student/{e['panel']}_no_skills/overall"] == pytest.approx(e["overall"])
+            assert by_step[m["iteration"] + 1][f"student/{key}"] == pytest.approx(float(m[key]))
+    evaluations = R.read_jsonl(run_dir / "eval.jsonl")
+    assert evaluations[0]["iteration"] == -1 and evaluations[0]["before_training"]
+    for e in evaluations:
+        assert by_step[e["iteration"] + 1][f"student/{e['panel']}_no_skills/overall"] == pytest.approx(e["overall"])
 
 
 # --- --model: a missing folder, an unknown hub id, no network: one line, in seconds, nothing written ---
@@ -2594,7 +2600,11 @@ def test_skills_in_phase_one_prompts_and_evals_and_S_T_over_last_window(tmp_path
     assert [(phase, p, t) for phase, evaluating, p, t in seen if not evaluating] == (
         [("teacher", True, False)] * 3 + [("student", False, True)] * 3)
     evals = R.read_jsonl(run_dir / "eval.jsonl")
-    assert {e["skills"] for e in evals if e["phase"] == "teacher"} == {True}
+    # phase 1 validates before training and at every validation with skills (S_T reads these) and
+    # without, as the authors do; its report is with skills; the student never sees them
+    teacher_evals = [(e["iteration"], e["panel"], e["skills"]) for e in evals if e["phase"] == "teacher"]
+    assert teacher_evals == [(k, "validation", skills) for k in (-1, 0, 1, 2) for skills in (True, False)] + [
+        (2, "report", True)]
     assert {e["skills"] for e in evals if e["phase"] == "student"} == {False}
     assert json.loads((run_dir / "teacher" / "retireopd.json").read_text())["teacher_success"] == 0.75
 
@@ -2976,8 +2986,9 @@ def test_two_processes_run_retireopd_on_webshop(tmp_path):
     for m in metrics:  # the global count: B*G = 4 episodes of `turns` turns each, 2 on each process
         assert m["samples"] == round(m["turns"] * 2 * 2) and m["samples"] >= 4
     assert all(m["gap"] is not None for m in metrics if m["phase"] == "student")
-    evaluations = R.read_jsonl(run_dir / "eval.jsonl")  # 6 validations and 2 reports, each of the whole panel
-    assert len(evaluations) == 8 and all(e["n"] == 5 for e in evaluations)
+    evaluations = R.read_jsonl(run_dir / "eval.jsonl")  # each of the whole panel: phase 1 before training and 3
+    assert len(evaluations) == 2 * 4 + 1 + 3 + 1 and all(e["n"] == 5 for e in evaluations)  # times, with skills
+    # and without; its report; phase 2's 3 validations; its report
     student = R.transformers.AutoModelForCausalLM.from_pretrained(run_dir / "student")
     assert type(student).__name__ == "Qwen2ForCausalLM"
     assert json.loads((run_dir / "student" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
