@@ -3,6 +3,7 @@
     python study.py                                    # seeds 0-4, two runs at a time, into runs/study
     python study.py --seeds 5 6 7 --jobs 1 --out runs/check
     python study.py --figure docs/demo_compare.png     # also regenerate the README's figure
+    python study.py --teachers runs/study --out runs/lab-lambda --variants retireopd grpo+opd -- --opd-coef 0.01
 
 For each seed it runs `python retireopd.py --model tiny --seed S` (phase 1, then RetireOPD's phase 2),
 then, reusing that seed's teacher (`--teacher`, so phase 1 runs once per seed), phase 2 of
@@ -20,6 +21,10 @@ resumed, so the study can be stopped and started again. The table reads the run 
 and below it each claim of the paper, with the seeds on which it holds and its mean margin. Runs
 differ between machines (RL amplifies float differences between CPUs), so the claims are counted
 over seeds, never read off one seed. Every flag after `--` goes to every run.
+
+With --teachers STUDY (docs/labs.md), each seed reuses STUDY's teacher and base model, so phase 1
+never runs: `retireopd` is then phase 2 alone (`--teacher`), and the columns of the teacher side
+(base+skills, base, S_T, teacher) are read from STUDY.
 """
 
 from __future__ import annotations
@@ -69,20 +74,26 @@ def finished(run_dir: Path) -> bool:
     return any(e.get("event") == "done" for e in read_jsonl(run_dir / "events.jsonl"))
 
 
-def command(variant: str, seed: int, run_dir: Path, teacher: Path, early: int, late: int, extra: list) -> list:
-    flags = [{"TEACHER": str(teacher), "EARLY": str(early), "LATE": str(late)}.get(f, f) for f in VARIANTS[variant]]
+def command(variant: str, seed: int, run_dir: Path, teacher: Path, early: int, late: int, extra: list,
+            reuse_teacher: bool = False) -> list:
+    """The command of one run. reuse_teacher: retireopd too starts from `teacher` (phase 2 alone)."""
+    flags = VARIANTS[variant] + (["--teacher", "TEACHER"] if reuse_teacher and "TEACHER" not in VARIANTS[variant]
+                                 and variant != "grpo" else [])
+    flags = [{"TEACHER": str(teacher), "EARLY": str(early), "LATE": str(late)}.get(f, f) for f in flags]
     if (run_dir / "config.json").is_file():  # started before: continue it (a finished run is not started)
         return [sys.executable, str(HERE / "retireopd.py"), "--resume", str(run_dir)]
     return [sys.executable, str(HERE / "retireopd.py"), "--model", "tiny", "--seed", str(seed), "--run-dir",
             str(run_dir), *flags, *extra]
 
 
-def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: list, variants: list) -> float:
+def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: list, variants: list,
+            teachers: Path = None) -> float:
     """Run every (seed, variant) not finished yet, `jobs` at a time, each when what it needs exists:
     the warm-started base (built by the first seed's retireopd run) and, for the variants that reuse
-    it, its seed's teacher. Returns the wall time in seconds."""
+    it, its seed's teacher (from `teachers`, another study, when given). Returns the wall time in seconds."""
     started = time.time()
-    base = out / f"seed{seeds[0]}" / "retireopd" / "tiny_base"
+    home = teachers or out  # the study whose retireopd runs hold the base and the teachers
+    base = home / f"seed{seeds[0]}" / "retireopd" / "tiny_base"
     todo = [(seed, variant) for variant in variants for seed in seeds]  # every seed's teacher first
     todo = [job for job in todo if not finished(out / f"seed{job[0]}" / job[1])]
     running: dict = {}
@@ -99,18 +110,24 @@ def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: lis
             if len(running) >= jobs:
                 break
             seed, variant = job
-            run_dir, teacher = out / f"seed{seed}" / variant, out / f"seed{seed}" / "retireopd" / "teacher"
-            first = (seed, variant) == (seeds[0], "retireopd")
+            run_dir, teacher = out / f"seed{seed}" / variant, home / f"seed{seed}" / "retireopd" / "teacher"
+            first = teachers is None and (seed, variant) == (seeds[0], "retireopd")
             if not first and not (base / "retireopd.json").is_file():
+                if teachers is not None:
+                    raise SystemExit(f"study: {teachers} holds no base model for seed {seeds[0]} ({base})")
                 continue  # the base model is not built yet
-            if "TEACHER" in VARIANTS[variant] and not (teacher / "retireopd.json").is_file():
+            if ("TEACHER" in VARIANTS[variant] or teachers) and variant != "grpo" \
+                    and not (teacher / "retireopd.json").is_file():
+                if teachers is not None:
+                    raise SystemExit(f"study: {teachers} holds no teacher for seed {seed} ({teacher})")
                 continue
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             if not first and not (run_dir / "tiny_base").exists():
                 run_dir.mkdir(exist_ok=True)
                 shutil.copytree(base, run_dir / "tiny_base")
             log = open(run_dir.parent / f"{variant}.log", "a")
-            process = subprocess.Popen(command(variant, seed, run_dir, teacher, early, late, extra), cwd=HERE,
+            process = subprocess.Popen(command(variant, seed, run_dir, teacher, early, late, extra, teachers is not None),
+                                       cwd=HERE,
                                        stdout=log, stderr=subprocess.STDOUT)
             running[job] = (process, log)
             todo.remove(job)
@@ -127,15 +144,16 @@ def report(run_dir: Path, phase: str, skills: bool):
     return None
 
 
-def seed_row(folder: Path) -> dict:
-    """One seed's columns (see the module docstring), read from its run folders."""
-    full = folder / "retireopd"
-    before = {r["skills"]: r["overall"] for r in read_jsonl(full / "eval.jsonl")
+def seed_row(folder: Path, teacher_folder: Path = None) -> dict:
+    """One seed's columns (see the module docstring), read from its run folders; the teacher side from
+    teacher_folder (another study's seed folder, --teachers) when given."""
+    full, home = folder / "retireopd", (teacher_folder or folder) / "retireopd"
+    before = {r["skills"]: r["overall"] for r in read_jsonl(home / "eval.jsonl")
               if r.get("before_training") and r["phase"] == "teacher"}
-    teacher = json.loads((full / "teacher" / "retireopd.json").read_text())
+    teacher = json.loads((home / "teacher" / "retireopd.json").read_text())
     retired = [e["retired_at"] for e in read_jsonl(full / "events.jsonl") if e["event"] == "retirement"]
     row = {"base+skills": before.get(True), "base": before.get(False), "S_T": teacher["teacher_success"],
-           "teacher": report(full, "teacher", True), "retired": retired[0] if retired else None}
+           "teacher": report(home, "teacher", True), "retired": retired[0] if retired else None}
     for variant in VARIANTS:
         row[variant] = report(folder / variant, "student", False)
     return row
@@ -215,20 +233,26 @@ def main(argv=None) -> dict:
     parser.add_argument("--retire-early", type=int, default=8, help="--retire-at of the early fixed schedule")
     parser.add_argument("--retire-late", type=int, default=40, help="--retire-at of the late fixed schedule")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                        help="run only these (retireopd is always run: it trains the teacher)")
+                        help="run only these (without --teachers retireopd is always run: it trains the teacher)")
     parser.add_argument("--figure", action="append", default=[], help="also write the figure here (repeatable)")
+    parser.add_argument("--teachers", help="reuse this study's teachers and base model: phase 2 alone (labs)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit("study: --jobs must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"retire_early": args.retire_early, "retire_late": args.retire_late, "extra": extra}
+    teachers = Path(args.teachers) if args.teachers else None
+    if teachers is not None and teachers.resolve() == out.resolve():
+        raise SystemExit("study: --teachers must be another study than --out")
+    settings = {"retire_early": args.retire_early, "retire_late": args.retire_late, "extra": extra,
+                **({"teachers": str(teachers)} if teachers else {})}
     saved = out / "study.json"
     if saved.is_file() and json.loads(saved.read_text())["settings"] != settings:
         raise SystemExit(f"study: {out} holds a study with other settings ({saved}): choose another --out")
-    variants = ["retireopd", *(v for v in args.variants if v != "retireopd")]
-    wall = run_all(args.seeds, out, args.jobs, args.retire_early, args.retire_late, extra, variants)
-    rows = {seed: seed_row(out / f"seed{seed}") for seed in args.seeds}
+    variants = (["retireopd"] if teachers is None else []) + [v for v in args.variants if v != "retireopd"
+                                                              or teachers is not None]
+    wall = run_all(args.seeds, out, args.jobs, args.retire_early, args.retire_late, extra, variants, teachers)
+    rows = {seed: seed_row(out / f"seed{seed}", teachers / f"seed{seed}" if teachers else None) for seed in args.seeds}
     table = format_table(rows)
     print(table)
     print(f"[study] {len(args.seeds)} seeds, {args.jobs} runs at a time: {wall:.0f}s of runs")

@@ -87,3 +87,41 @@ def test_a_started_run_is_resumed_and_a_new_one_gets_its_flags(tmp_path):
     (run / "config.json").write_text("{}")
     assert study.command("opd", 2, run, run, 6, 30, []) == [sys.executable, str(study.HERE / "retireopd.py"),
                                                             "--resume", str(run)]
+
+
+def test_teachers_of_another_study_are_reused_and_read(tmp_path, monkeypatch):
+    # a lab: phase 2 alone, from the teachers and the base of a finished study, with a flag for every run
+    fake_seed(tmp_path / "study" / "seed0", 0.625, VARIANT_REPORTS)
+    (tmp_path / "study" / "seed0" / "retireopd" / "tiny_base").mkdir()
+    (tmp_path / "study" / "seed0" / "retireopd" / "tiny_base" / "retireopd.json").write_text("{}")
+    teacher = tmp_path / "study" / "seed0" / "retireopd" / "teacher"
+    lab = tmp_path / "lab"
+    assert study.command("retireopd", 0, lab / "seed0" / "retireopd", teacher, 8, 40, ["--rho", "1"], True)[2:] == [
+        "--model", "tiny", "--seed", "0", "--run-dir", str(lab / "seed0" / "retireopd"), "--algo", "retireopd",
+        "--teacher", str(teacher), "--rho", "1"]
+    assert "--teacher" not in study.command("grpo", 0, lab / "seed0" / "grpo", teacher, 8, 40, [], True)
+    started = []
+
+    class Finished:  # a run that writes what retireopd.py would, at once
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+            run = Path(cmd[cmd.index("--run-dir") + 1])
+            assert (run / "tiny_base" / "retireopd.json").is_file()  # the study's base, copied in
+            write_jsonl(run / "eval.jsonl", [{"phase": "student", "iteration": 49, "panel": "report", "skills": False,
+                                              "overall": 0.75}])
+            write_jsonl(run / "events.jsonl", [{"event": "retirement", "retired_at": 12}, {"event": "done"}])
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(study.subprocess, "Popen", Finished)
+    monkeypatch.setattr(study.time, "sleep", lambda seconds: None)
+    rows = study.main(["--seeds", "0", "--out", str(lab), "--teachers", str(tmp_path / "study"),
+                       "--variants", "retireopd", "--", "--rho", "1"])
+    assert len(started) == 1 and started[0][-4:] == ["--teacher", str(teacher), "--rho", "1"]
+    assert rows[0]["S_T"] == 0.625 and rows[0]["base+skills"] == 0.25 and rows[0]["teacher"] == 0.7  # the study's
+    assert rows[0]["retireopd"] == 0.75 and rows[0]["retired"] == 12 and rows[0]["grpo"] is None  # the lab's
+    with pytest.raises(SystemExit, match="no teacher for seed 1"):
+        study.main(["--seeds", "0", "1", "--out", str(tmp_path / "lab2"), "--teachers", str(tmp_path / "study")])
