@@ -22,9 +22,11 @@ and below it each claim of the paper, with the seeds on which it holds and its m
 differ between machines (RL amplifies float differences between CPUs), so the claims are counted
 over seeds, never read off one seed. Every flag after `--` goes to every run.
 
-With --teachers STUDY (docs/labs.md), each seed reuses STUDY's teacher and base model, so phase 1
-never runs: `retireopd` is then phase 2 alone (`--teacher`), and the columns of the teacher side
-(base+skills, base, S_T, teacher) are read from STUDY.
+For the labs (docs/labs.md): with --teachers STUDY each seed reuses STUDY's teacher and base model,
+so phase 1 never runs: `retireopd` is then phase 2 alone (`--teacher`), and the columns of the
+teacher side (base+skills, base, S_T, teacher) are read from STUDY. --base-from STUDY reuses only
+its base model (phase 1 runs again). --script FILE runs FILE instead of retireopd.py: a lab's
+change to the method, written as a few lines that import retireopd, change one thing, call main().
 """
 
 from __future__ import annotations
@@ -75,25 +77,25 @@ def finished(run_dir: Path) -> bool:
 
 
 def command(variant: str, seed: int, run_dir: Path, teacher: Path, early: int, late: int, extra: list,
-            reuse_teacher: bool = False) -> list:
+            reuse_teacher: bool = False, script: Path = HERE / "retireopd.py") -> list:
     """The command of one run. reuse_teacher: retireopd too starts from `teacher` (phase 2 alone)."""
     flags = VARIANTS[variant] + (["--teacher", "TEACHER"] if reuse_teacher and "TEACHER" not in VARIANTS[variant]
                                  and variant != "grpo" else [])
     flags = [{"TEACHER": str(teacher), "EARLY": str(early), "LATE": str(late)}.get(f, f) for f in flags]
     if (run_dir / "config.json").is_file():  # started before: continue it (a finished run is not started)
-        return [sys.executable, str(HERE / "retireopd.py"), "--resume", str(run_dir)]
-    return [sys.executable, str(HERE / "retireopd.py"), "--model", "tiny", "--seed", str(seed), "--run-dir",
+        return [sys.executable, str(script), "--resume", str(run_dir)]
+    return [sys.executable, str(script), "--model", "tiny", "--seed", str(seed), "--run-dir",
             str(run_dir), *flags, *extra]
 
 
 def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: list, variants: list,
-            teachers: Path = None) -> float:
+            teachers: Path = None, base_from: Path = None, script: Path = HERE / "retireopd.py") -> float:
     """Run every (seed, variant) not finished yet, `jobs` at a time, each when what it needs exists:
     the warm-started base (built by the first seed's retireopd run) and, for the variants that reuse
     it, its seed's teacher (from `teachers`, another study, when given). Returns the wall time in seconds."""
     started = time.time()
-    home = teachers or out  # the study whose retireopd runs hold the base and the teachers
-    base = home / f"seed{seeds[0]}" / "retireopd" / "tiny_base"
+    home = teachers or out  # the study whose retireopd runs hold the teachers
+    base = (teachers or base_from or out) / f"seed{seeds[0]}" / "retireopd" / "tiny_base"
     todo = [(seed, variant) for variant in variants for seed in seeds]  # every seed's teacher first
     todo = [job for job in todo if not finished(out / f"seed{job[0]}" / job[1])]
     running: dict = {}
@@ -111,10 +113,11 @@ def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: lis
                 break
             seed, variant = job
             run_dir, teacher = out / f"seed{seed}" / variant, home / f"seed{seed}" / "retireopd" / "teacher"
-            first = teachers is None and (seed, variant) == (seeds[0], "retireopd")
+            first = teachers is None and base_from is None and (seed, variant) == (seeds[0], "retireopd")
             if not first and not (base / "retireopd.json").is_file():
-                if teachers is not None:
-                    raise SystemExit(f"study: {teachers} holds no base model for seed {seeds[0]} ({base})")
+                if teachers or base_from:
+                    raise SystemExit(f"study: {teachers or base_from} holds no base model for seed {seeds[0]} "
+                                     f"({base})")
                 continue  # the base model is not built yet
             if ("TEACHER" in VARIANTS[variant] or teachers) and variant != "grpo" \
                     and not (teacher / "retireopd.json").is_file():
@@ -126,8 +129,8 @@ def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: lis
                 run_dir.mkdir(exist_ok=True)
                 shutil.copytree(base, run_dir / "tiny_base")
             log = open(run_dir.parent / f"{variant}.log", "a")
-            process = subprocess.Popen(command(variant, seed, run_dir, teacher, early, late, extra, teachers is not None),
-                                       cwd=HERE,
+            process = subprocess.Popen(command(variant, seed, run_dir, teacher, early, late, extra,
+                                               teachers is not None, script), cwd=HERE,
                                        stdout=log, stderr=subprocess.STDOUT)
             running[job] = (process, log)
             todo.remove(job)
@@ -236,22 +239,32 @@ def main(argv=None) -> dict:
                         help="run only these (without --teachers retireopd is always run: it trains the teacher)")
     parser.add_argument("--figure", action="append", default=[], help="also write the figure here (repeatable)")
     parser.add_argument("--teachers", help="reuse this study's teachers and base model: phase 2 alone (labs)")
+    parser.add_argument("--base-from", help="reuse only this study's base model (phase 1 runs again)")
+    parser.add_argument("--script", default=str(HERE / "retireopd.py"),
+                        help="the program each run executes: retireopd.py, or a lab's change to it")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit("study: --jobs must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    teachers = Path(args.teachers) if args.teachers else None
-    if teachers is not None and teachers.resolve() == out.resolve():
-        raise SystemExit("study: --teachers must be another study than --out")
+    teachers, base_from = (Path(p) if p else None for p in (args.teachers, args.base_from))
+    script = Path(args.script).resolve()
+    for flag, other in (("--teachers", teachers), ("--base-from", base_from)):
+        if other is not None and other.resolve() == out.resolve():
+            raise SystemExit(f"study: {flag} must be another study than --out")
+    if not script.is_file():
+        raise SystemExit(f"study: --script {args.script}: no such file")
     settings = {"retire_early": args.retire_early, "retire_late": args.retire_late, "extra": extra,
-                **({"teachers": str(teachers)} if teachers else {})}
+                **({"teachers": str(teachers)} if teachers else {}), **({"base_from": str(base_from)} if base_from
+                                                                       else {}),
+                **({"script": str(script)} if script != HERE / "retireopd.py" else {})}
     saved = out / "study.json"
     if saved.is_file() and json.loads(saved.read_text())["settings"] != settings:
         raise SystemExit(f"study: {out} holds a study with other settings ({saved}): choose another --out")
     variants = (["retireopd"] if teachers is None else []) + [v for v in args.variants if v != "retireopd"
                                                               or teachers is not None]
-    wall = run_all(args.seeds, out, args.jobs, args.retire_early, args.retire_late, extra, variants, teachers)
+    wall = run_all(args.seeds, out, args.jobs, args.retire_early, args.retire_late, extra, variants, teachers,
+                   base_from, script)
     rows = {seed: seed_row(out / f"seed{seed}", teachers / f"seed{seed}" if teachers else None) for seed in args.seeds}
     table = format_table(rows)
     print(table)

@@ -125,3 +125,26 @@ def test_teachers_of_another_study_are_reused_and_read(tmp_path, monkeypatch):
     assert rows[0]["retireopd"] == 0.75 and rows[0]["retired"] == 12 and rows[0]["grpo"] is None  # the lab's
     with pytest.raises(SystemExit, match="no teacher for seed 1"):
         study.main(["--seeds", "0", "1", "--out", str(tmp_path / "lab2"), "--teachers", str(tmp_path / "study")])
+
+
+def test_a_lab_script_and_another_studys_base(tmp_path, monkeypatch):
+    # --script: every run executes the lab's program; --base-from: phase 1 runs again, from the study's base
+    study_dir, lab, script = tmp_path / "study", tmp_path / "lab", tmp_path / "lab_flip.py"
+    (study_dir / "seed0" / "retireopd" / "tiny_base").mkdir(parents=True)
+    (study_dir / "seed0" / "retireopd" / "tiny_base" / "retireopd.json").write_text("{}")
+    script.write_text("import retireopd\nretireopd.main()\n")
+    started = []
+
+    class Refused:
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(study.subprocess, "Popen", Refused)
+    with pytest.raises(RuntimeError, match="stop here"):
+        study.main(["--seeds", "0", "--out", str(lab), "--base-from", str(study_dir), "--script", str(script)])
+    (cmd,) = started
+    assert cmd[1] == str(script.resolve()) and "--teacher" not in cmd and cmd[cmd.index("--algo") + 1] == "retireopd"
+    assert (lab / "seed0" / "retireopd" / "tiny_base" / "retireopd.json").is_file()  # the study's base, copied in
+    with pytest.raises(SystemExit, match="--script nowhere.py: no such file"):
+        study.main(["--out", str(tmp_path / "other"), "--script", "nowhere.py"])
