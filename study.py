@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,11 @@ def command(variant: str, seed: int, run_dir: Path, teacher: Path, early: int, l
             str(run_dir), *flags, *extra]
 
 
+def child_env() -> dict:
+    """The runs' environment: ours, with this folder on the import path (a lab's --script imports retireopd)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+
+
 def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: list, variants: list,
             teachers: Path = None, base_from: Path = None, script: Path = HERE / "retireopd.py") -> float:
     """Run every (seed, variant) not finished yet, `jobs` at a time, each when what it needs exists:
@@ -130,7 +136,7 @@ def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: lis
                 shutil.copytree(base, run_dir / "tiny_base")
             log = open(run_dir.parent / f"{variant}.log", "a")
             process = subprocess.Popen(command(variant, seed, run_dir, teacher, early, late, extra,
-                                               teachers is not None, script), cwd=HERE,
+                                               teachers is not None, script), cwd=HERE, env=child_env(),
                                        stdout=log, stderr=subprocess.STDOUT)
             running[job] = (process, log)
             todo.remove(job)

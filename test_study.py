@@ -2,6 +2,7 @@
 counted, and that finished runs are reused (no run is started here)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -137,7 +138,8 @@ def test_a_lab_script_and_another_studys_base(tmp_path, monkeypatch):
 
     class Refused:
         def __init__(self, cmd, **kwargs):
-            started.append(cmd)
+            started.append(cmd)  # the lab's script runs with retireopd.py importable, wherever it lies
+            assert kwargs["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(study.HERE)
             raise RuntimeError("stop here")
 
     monkeypatch.setattr(study.subprocess, "Popen", Refused)
