@@ -56,7 +56,9 @@ CLAIMS = [
     ("phase 1 makes the teacher: S_T above the base model with skills", "S_T", "base+skills"),
     ("never retired caps the student: retireopd above grpo+opd", "retireopd", "grpo+opd"),
     ("pure distillation stays at or below its teacher: S_T minus opd", "S_T", "opd"),
+    ("... on the same panel: the teacher's report minus opd, at or below", "teacher", "opd"),
     ("the retired student passes its teacher: retireopd above S_T", "retireopd", "S_T"),
+    ("... on the same panel: retireopd above the teacher's report", "retireopd", "teacher"),
     ("... and GRPO alone: retireopd above grpo", "retireopd", "grpo"),
 ]
 

@@ -57,8 +57,9 @@ def test_claims_count_seeds_and_average_margins(tmp_path):
     got = {name: (holds, n, margin) for name, holds, n, margin in study.claims(rows)}
     names = [name for name, _, _ in study.CLAIMS]
     # S_T - base+skills: 0.375, 0.5;  retireopd - grpo+opd: 0.3, 0.1;  S_T - opd: 0.125, 0.0 (at or below: holds)
-    # retireopd - S_T: 0.275, -0.05;  retireopd - grpo: 0.5, 0.3
-    expected = [(2, 0.4375), (2, 0.2), (2, 0.0625), (1, 0.1125), (2, 0.4)]
+    # teacher - opd: 0.2, -0.05;  retireopd - S_T: 0.275, -0.05;  retireopd - teacher: 0.2, 0.0 (not above)
+    # retireopd - grpo: 0.5, 0.3
+    expected = [(2, 0.4375), (2, 0.2), (2, 0.0625), (1, 0.075), (1, 0.1125), (1, 0.1), (2, 0.4)]
     for name, (holds, margin) in zip(names, expected):
         assert got[name][:2] == (holds, 2) and got[name][2] == pytest.approx(margin), name
     table = study.format_table(rows)
