@@ -267,7 +267,8 @@ def main(argv=None) -> dict:
                                                                        else {}),
                 **({"script": str(script)} if script != HERE / "retireopd.py" else {})}
     saved = out / "study.json"
-    if saved.is_file() and json.loads(saved.read_text())["settings"] != settings:
+    before = json.loads(saved.read_text()) if saved.is_file() else {"settings": settings, "wall_s": 0.0}
+    if before["settings"] != settings:
         raise SystemExit(f"study: {out} holds a study with other settings ({saved}): choose another --out")
     variants = (["retireopd"] if teachers is None else []) + [v for v in args.variants if v != "retireopd"
                                                               or teachers is not None]
@@ -276,7 +277,8 @@ def main(argv=None) -> dict:
     rows = {seed: seed_row(out / f"seed{seed}", teachers / f"seed{seed}" if teachers else None) for seed in args.seeds}
     table = format_table(rows)
     print(table)
-    print(f"[study] {len(args.seeds)} seeds, {args.jobs} runs at a time: {wall:.0f}s of runs")
+    wall += before.get("wall_s", 0.0)  # a study stopped and started again: the wall time of every start
+    print(f"[study] {len(args.seeds)} seeds, {args.jobs} runs at a time: {wall:.0f}s of runs in all")
     saved.write_text(json.dumps({"settings": settings, "rows": {str(k): v for k, v in rows.items()},
                                  "wall_s": round(wall, 1)}, indent=2) + "\n")
     (out / "study.md").write_text(table + "\n")

@@ -73,7 +73,11 @@ def test_finished_runs_are_reused_and_other_settings_refused(tmp_path, monkeypat
     monkeypatch.setattr(study.subprocess, "Popen", lambda *a, **k: pytest.fail("a finished run was started"))
     rows = study.main(["--seeds", "0", "1", "--out", str(tmp_path)])
     assert rows[1]["retireopd"] == 0.9 and (tmp_path / "study.md").is_file()
-    assert json.loads((tmp_path / "study.json").read_text())["rows"]["0"]["S_T"] == 0.5
+    saved = json.loads((tmp_path / "study.json").read_text())
+    assert saved["rows"]["0"]["S_T"] == 0.5
+    (tmp_path / "study.json").write_text(json.dumps({**saved, "wall_s": 4000.0}))  # runs of an earlier start
+    study.main(["--seeds", "0", "1", "--out", str(tmp_path)])  # nothing to run: the wall time is kept
+    assert 4000 <= json.loads((tmp_path / "study.json").read_text())["wall_s"] < 4060
     with pytest.raises(SystemExit, match="other settings"):
         study.main(["--seeds", "0", "--out", str(tmp_path), "--retire-late", "45"])
 
