@@ -3112,18 +3112,22 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
         label = run_dir.name if len(run_dirs) > 1 else "student"
         teacher = [m for m in metrics if m["phase"] == "teacher"]
         student = [m for m in metrics if m["phase"] == "student"]
+        before = {(e["phase"], e["skills"]): e["overall"] for e in read_jsonl(run_dir / "eval.jsonl")
+                  if e.get("before_training")}  # the validation before a phase's first update (iteration -1)
         if teacher:
             ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray", alpha=0.35, linewidth=1)
-            val = [m for m in teacher if "val_success" in m]
-            ax_success.plot([m["iteration"] for m in val], [m["val_success"] for m in val], "o-", color="gray",
-                            markersize=4, label="teacher, with skills (phase 1)" if n == 0 else None)
+            val = [(-1, before[("teacher", True)])] if ("teacher", True) in before else []
+            val += [(m["iteration"], m["val_success"]) for m in teacher if "val_success" in m]
+            ax_success.plot(*zip(*val), "o-", color="gray", markersize=4,
+                            label="teacher, with skills (phase 1)" if n == 0 else None)
             for ax in (ax_success, ax_gap):
                 ax.axvline(offset - 0.5, color="black", linewidth=0.8, alpha=0.3)
         ax_success.plot([offset + m["iteration"] for m in student], [m["success"] for m in student],
                         color=color, alpha=0.35, linewidth=1)
-        val = [m for m in student if "val_success" in m]
-        ax_success.plot([offset + m["iteration"] for m in val], [m["val_success"] for m in val], "o-",
-                        color=color, markersize=4, label=f"{label}, no skills (phase 2)")
+        val = [(offset - 1, before[("student", False)])] if ("student", False) in before else []
+        val += [(offset + m["iteration"], m["val_success"]) for m in student if "val_success" in m]
+        if val:
+            ax_success.plot(*zip(*val), "o-", color=color, markersize=4, label=f"{label}, no skills (phase 2)")
         bar = [m["teacher_success"] for m in student if m.get("teacher_success")]
         if bar:
             ax_success.axhline(configs[n]["rho"] * bar[0], color=color, linestyle=":", linewidth=1,
