@@ -939,7 +939,7 @@ WEBSHOP_SKILLS = {
 # The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, a seasoning and a
 # way to cook it, and nothing in the task says which. The teacher's skills are the kitchen's notes,
 # and like real strategy notes they are incomplete: they name each dish's seasoning, never how to
-# cook it. So the base model with skills wins 1 dish in 4 (it guesses the way to cook); phase 1's RL
+# cook it. So the base model with skills wins about 1 dish in 6 (it guesses the way to cook); phase 1's RL
 # has to find the rest (the teacher ends imperfect where it has not yet), and a student without
 # notes must find both by trial (1 in 36 per dish) or learn them from the teacher.
 KITCHEN_INGREDIENTS = ("salt", "sugar", "pepper", "honey", "vinegar", "ginger")
@@ -2726,7 +2726,7 @@ TINY_PRESET = dict(
 
 
 EXAMPLES = """examples:
-  python retireopd.py --model tiny                        # the offline CPU demo (the kitchen), ~4 min
+  python retireopd.py --model tiny                        # the offline CPU demo (the kitchen), ~9 min
   python retireopd.py --model tiny --algo grpo            # the demo's GRPO baseline, to --compare
   python retireopd.py --model tiny --env alfworld         # the code paths on fixture ALFWorld games we write
   python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
