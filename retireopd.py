@@ -23,12 +23,16 @@ import dataclasses
 import errno
 import functools
 import gc
+import hashlib
 import json
+import math
 import os
+import pickle
 import random
 import re
 import shlex
 import shutil
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -704,6 +708,7 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
             set_warmup_lr(optimizer, cfg)  # linear warm-up over --lr-warmup-steps, then cfg.lr
             optimizer.step()
             meter.stepped(grad_norm)
+            stop_if_weights_not_finite(model, optimizer)  # a diverged step is never trained on, nor saved
     optimizer.zero_grad(set_to_none=True)
     return meter.stats()
 
@@ -839,7 +844,7 @@ def train_student(cfg: Config, suite: TaskSuite, run: Run, models: Models, teach
             retirement = Retirement(**resume["retirement"])
     _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd)
     teacher_needed = retirement is not None and not retirement.retired  # (a resume may find it retired)
-    frozen = FrozenModels(teacher=models.frozen_copy(models.teacher_dir) if teacher_needed else None,
+    frozen = FrozenModels(teacher=models.teacher(policy, tokenizer) if teacher_needed else None,
                           reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
     print_memory_estimate(policy, cfg, run, "phase 2", frozen)
     train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
@@ -1054,6 +1059,7 @@ class TaskSuite:
             if cfg.alfworld_data == "fixtures":  # our own tiny games, written into the run folder
                 root = alfworld_env.write_fixture_alfworld_games(Path(cfg.run_dir) / "alfworld_fixtures")
                 splits = ("valid_seen",)  # the fixtures have no valid_unseen split
+            self.root = root
             self.train = alfworld_env.discover_alfworld_games(root, "train")
             self.validation_panel = alfworld_env.alfworld_eval_panel(root, ("valid_seen",), max_episodes=cap)
             self.report_panel = alfworld_env.alfworld_eval_panel(root, splits, max_episodes=cap)
@@ -1156,11 +1162,13 @@ def env_calls(calls: list) -> list:
 
 
 def start_episodes(episodes: list) -> None:
-    """Reset every episode's environment (in parallel with --env-workers). A task whose reset fails
-    ends as a failure; the run goes on."""
+    """Reset every episode's environment (in parallel with --env-workers). A task whose reset fails (an
+    exception, or an error the environment reports) is an error: the episode ends with no turn, so it
+    is never trained on, and it is counted (env_errors); evaluate leaves it out of the success rate."""
     for episode, result in zip(episodes, env_calls([(e.env, "reset", ()) for e in episodes])):
-        if isinstance(result, Exception):
-            episode.done, episode.error = True, f"reset: {result!r}"
+        if isinstance(result, Exception) or result[1].get("error"):
+            episode.done, episode.error = True, f"reset: {result!r}" if isinstance(result, Exception) else \
+                f"reset: {result[1]['error']}"
             continue
         episode.observation, info = result
         episode.task, episode.task_type, episode.admissible = info["task"], info["task_type"], info["admissible"]
@@ -1245,10 +1253,14 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
             _, episodes, _ = rollout(model, tokenizer, suite, batch, cfg, group_size=1,
                                      skills_in_prompt=skills, with_teacher_prompts=False,
                                      temperature=cfg.eval_temperature, desc=desc)
-            records += [(e.task_type or suite.task_type(task), e.won) for e, task in zip(episodes, batch)]
+            records += [(e.task_type or suite.task_type(task), e.won, e.error) for e, task in zip(episodes, batch)]
     records = [record for part in gather_objects(records) for record in part]
-    return {**success_by_task_type(records), "skills": skills, "seed": cfg.seed + 12345,
-            "temperature": cfg.eval_temperature}
+    played = [(task_type, won) for task_type, won, error in records if error is None or not error.startswith("reset")]
+    if records and not played:  # every game of the panel is broken: its "0.0" would be read as a result
+        raise SystemExit(f"retireopd: every episode of the {desc} ({len(records)} tasks) failed to start, the first "
+                         f"with {records[0][2]}: the data is broken (check --alfworld-data / --webshop-data)")
+    return {**success_by_task_type(played), "env_errors": len(records) - len(played), "skills": skills,
+            "seed": cfg.seed + 12345, "temperature": cfg.eval_temperature}
 
 
 # ==================================================================================================
@@ -1502,9 +1514,13 @@ def model_source_problem(name: str) -> Optional[str]:
     source = resolve_model_name(name)
     folder = Path(source).expanduser()
     if folder.is_dir():
-        return None if (folder / "config.json").is_file() else (
-            f"--model {name}: {folder} has no config.json, so it is not a Hugging Face model folder (a run's "
-            "teacher/ or student/ is one)")
+        if not (folder / "config.json").is_file():
+            return (f"--model {name}: {folder} has no config.json, so it is not a Hugging Face model folder (a run's "
+                    "teacher/ or student/ is one)")
+        if not any(folder.glob("*.safetensors")):
+            return (f"--model {name}: {folder} has no .safetensors weights (we load no pickled .bin weights: a "
+                    "pickle can run code); convert them, or pass another folder")
+        return None if (problem := saved_model_problem(folder)) is None else f"--model {name}: {folder}: {problem}"
     if folder.exists():
         return f"--model {name}: {folder} is a file; pass the folder that holds the model and its config.json"
     if source.startswith((".", "/", "~")) or source.count("/") > 1:  # written as a path, not as org/name
@@ -1555,8 +1571,17 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
         # first would retry for minutes)
         cached_only = (not Path(path).is_dir() and hub_model_cached(path)
                        and hub_answer(path).startswith("unreachable"))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
+                                                                      use_safetensors=True)  # never a pickle
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as error:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+            raise SystemExit(f"retireopd: {name} does not load as a model and tokenizer ({type(error).__name__}: "
+                             f"{reason})") from None
+    if bad := non_finite_tensors(model.parameters()):
+        raise SystemExit(f"retireopd: {name}: {bad} of the model's weight tensors hold NaN or infinite values: "
+                         "not a usable model")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation continues at the right edge of every prompt
@@ -1814,6 +1839,25 @@ def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
     """Steps this AdamW has taken (its per-parameter step count; restored with its state)."""
     state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
     return int(state["step"]) if "step" in state else 0
+
+
+def non_finite_tensors(tensors) -> int:
+    """How many of these tensors (a sharded one: this rank's shard) hold a NaN or an infinity."""
+    flags = [torch.isfinite(getattr(t, "to_local", lambda: t)().detach()).all() for t in tensors
+             if t.is_floating_point()]
+    return int((~torch.stack(flags)).sum()) if flags else 0
+
+
+def stop_if_weights_not_finite(model, optimizer) -> None:
+    """After an optimizer step: weights that hold a NaN or an infinity end the run, in one line (every
+    rank stops). The step cannot be undone, and the weights are not saved (the last checkpoint holds
+    those before it)."""
+    if all_ranks(non_finite_tensors(model.parameters()) == 0):
+        return
+    lr = optimizer.param_groups[0]["lr"]
+    raise SystemExit(f"retireopd: optimizer step {optimizer_steps_taken(optimizer)} (lr {lr:g}) left the weights with "
+                     f"NaN or infinite values: the update diverged, and nothing of it was saved; the last checkpoint "
+                     "holds the weights before it. Start again with a lower --lr (or a smaller --grad-clip)")
 
 
 def build_adamw(model, cfg: Config) -> torch.optim.AdamW:
@@ -2140,6 +2184,15 @@ def read_jsonl(path: Path, note: bool = False) -> list:
     return records
 
 
+def finite_json(value):
+    """value with every float NaN or infinity replaced by None (JSON null), through dicts and lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    return [finite_json(item) for item in value] if isinstance(value, (list, tuple)) else value
+
+
 def write_text_atomically(path: Path, text: str) -> None:
     """path.write_text(text) that a crash cannot leave half-written: a temp file, then a rename."""
     tmp = path.with_name(path.name + ".tmp")
@@ -2158,16 +2211,47 @@ def holds_a_run(folder: Path) -> bool:
     return any((Path(folder) / name).exists() for name in RUN_ENTRIES)
 
 
-def run_identity(folder: Path, cfg: Config) -> dict:
-    """The folder's run.json: which run it holds (an id, when it started, what it runs). Read when it
-    exists (a resumed run keeps its id), written otherwise. Checkpoints carry the id."""
+def run_identity(folder: Path, cfg: Config, inputs: dict) -> dict:
+    """The folder's run.json: which run it holds (an id, when it started, what it runs, and `inputs`, what
+    it trains and validates on). Read when it exists (a resumed run keeps its id), written otherwise.
+    Checkpoints carry the id, so a run.json that is missing or damaged is restored from them (the
+    damaged one is kept as run.json.corrupt): the checkpoints are never discarded for want of it."""
     path = folder / RUN_IDENTITY
     with contextlib.suppress(OSError, ValueError):
-        return json.loads(path.read_text())
+        identity = json.loads(path.read_text())
+        if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
+            return identity
+    if path.exists():
+        os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model}
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
+                "inputs": inputs}
+    checkpoints = sorted((p for p in (folder / "checkpoints").glob("*") if p.is_dir() and "." not in p.name),
+                         reverse=True) if (folder / "checkpoints").is_dir() else []
+    for checkpoint in checkpoints:  # the newest whose trainer state names its run
+        with contextlib.suppress(Exception):
+            identity.update(run_id=str(read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
+                            restored_from=checkpoint.name)
+            print(f"[retireopd] note: {path} was {'damaged' if path.with_name(RUN_IDENTITY + '.corrupt').exists() else 'missing'}: "
+                  f"restored from checkpoint {checkpoint.name} (run {identity['run_id']})")
+            break
     write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
     return identity
+
+
+def run_inputs(cfg: Config, suite: TaskSuite) -> dict:
+    """What decides what a run trains and validates on, as resolved values: the data folder, the model,
+    the teacher, and a fingerprint of the tasks (the training pool and both panels; WebShop: their
+    goals' text; ALFWorld: the games' paths below the data root). A resume that would differ is refused."""
+    def task_text(task):
+        if cfg.env == "webshop":
+            return suite.shop.goals[task]["instruction_text"]
+        return os.path.relpath(task, suite.root) if cfg.env == "alfworld" else str(task)
+    tasks = [[task_text(t) for t in pool] for pool in (suite.train, suite.validation_panel, suite.report_panel)]
+    data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env, "built in")
+    return {"data": data, "model": cfg.model, "teacher": cfg.teacher, "train_tasks": len(suite.train),
+            "panels": [len(suite.validation_panel), len(suite.report_panel)],
+            "tasks_sha256": hashlib.sha256(json.dumps(tasks).encode()).hexdigest()[:16]}
 
 
 def saved_model_problem(folder: Path) -> Optional[str]:
@@ -2200,8 +2284,28 @@ def saved_model_problem(folder: Path) -> Optional[str]:
 
 
 def read_trainer_state(folder: Path) -> dict:
-    """A checkpoint's trainer.pt, memory-mapped (under torchrun every rank reads it; the pages are shared)."""
-    return torch.load(folder / "trainer.pt", weights_only=False, map_location="cpu", mmap=True)
+    """A checkpoint's trainer.pt, memory-mapped (under torchrun every rank reads it; the pages are shared).
+    weights_only: tensors, numbers, strings, lists, tuples and dicts, which is all it holds; a file that
+    asks to build any other object (a pickle can run code) fails to load, and nothing of it runs."""
+    return torch.load(folder / "trainer.pt", weights_only=True, map_location="cpu", mmap=True)
+
+
+TRAINER_STATE_KEYS = ("phase", "iteration", "optimizer", "python_rng", "rng", "world_size", "val_successes",
+                      "retirement", "run_id")
+
+
+def trainer_state_problem(state) -> Optional[str]:
+    """Why a loaded trainer.pt cannot continue a run, or None: it must hold what checkpoint_phase writes."""
+    if not isinstance(state, dict):
+        return f"trainer.pt holds a {type(state).__name__}, not the trainer's state"
+    missing = [key for key in TRAINER_STATE_KEYS if key not in state]
+    if missing:
+        return f"trainer.pt lacks {', '.join(missing)}"
+    if state["phase"] not in PHASES or not isinstance(state["iteration"], int) or state["iteration"] < 0:
+        return f"trainer.pt names no iteration of a phase ({state['phase']!r}, {state['iteration']!r})"
+    if not isinstance(state["val_successes"], list) or not isinstance(state["optimizer"], dict):
+        return "trainer.pt's validations or optimizer state are not what a checkpoint writes"
+    return None
 
 
 def format_bytes(n: float) -> str:
@@ -2225,24 +2329,36 @@ class Run:
     latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
     tracker: Optional[Tracker] = None  # --report-to: every line logged goes there too (main starts it)
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, inputs: Optional[dict] = None):
         self.cfg = cfg
         self.dir = Path(cfg.run_dir)
         run_id = None
         if main_process():
             self.dir.mkdir(parents=True, exist_ok=True)
-            run_id = run_identity(self.dir, cfg)["run_id"]
+            identity = run_identity(self.dir, cfg, inputs)
+            run_id = identity["run_id"]
+            if inputs is not None and identity.get("inputs") != inputs:  # a resume: it must read what the run read
+                if identity.get("inputs") is not None:
+                    changed = [f"{key} {identity['inputs'].get(key)} -> {value}" for key, value in inputs.items()
+                               if identity["inputs"].get(key) != value]
+                    raise SystemExit(f"retireopd: --resume {self.dir} would not train on what the run started with ("
+                                     + "; ".join(changed) + "): restore those (a data folder, an environment "
+                                     "variable), or start a new run")
+                write_text_atomically(self.dir / RUN_IDENTITY, json.dumps({**identity, "inputs": inputs}, indent=2)
+                                      + "\n")  # (restored from a checkpoint, or written by an older version)
             write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         self.run_id = broadcast(run_id)
         self.started = time.time()
+        self.skipped_streak = 0
         Run.latest = self.dir
 
     def log(self, name: str, record: dict) -> None:
         if not main_process():
             return
+        record = finite_json(record)  # NaN and infinities are not JSON: they are written as null
         try:
             with open(self.dir / name, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
         except OSError as error:
             raise SystemExit(self.write_failure(name, error)) from None
         if self.tracker is not None:
@@ -2255,13 +2371,18 @@ class Run:
         free = shutil.disk_usage(self.dir).free
         newest = (self.checkpoints() or [None])[-1]
         needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
-        full = getattr(error, "errno", None) == errno.ENOSPC or "No space left" in reason or free < needed
+        code = getattr(error, "errno", None)
+        full = code == errno.ENOSPC or "No space left" in reason or (free < needed and code != errno.EFBIG)
         kept = (f"the last checkpoint, {newest.name}, is kept: `--resume {self.dir}` continues from it" if newest
                 else "no checkpoint was written yet")
+        fewer = ("keep fewer checkpoints or write them less often with --keep-checkpoints and --save-every (--resume "
+                 "accepts new values of both)")
+        advice = {errno.EFBIG: "a limit on the size of one file stopped it (`ulimit -f` shows it): raise that limit",
+                  errno.EDQUOT: f"your disk quota is used up: free some of it, or {fewer}"}.get(
+                      code, f"free some space, or {fewer}" if full else "check that the folder is writable")
         return (f"retireopd: could not write {self.dir / name} ({'the disk is full: ' if full else ''}{reason}; "
                 f"{format_bytes(free)} free there" + (f", a checkpoint takes {format_bytes(needed)}" if needed else "")
-                + f"); {kept}; free some space, or keep fewer checkpoints or write them less often with "
-                "--keep-checkpoints and --save-every (--resume accepts new values of both)")
+                + f"); {kept}; {advice}")
 
     def save_model(self, model, tokenizer, name: str, extra: Optional[dict] = None,
                    trainer_state: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16) -> Path:
@@ -2277,6 +2398,11 @@ class Run:
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
         if not main_process():
             return final
+        moments = [t for t in ((trainer_state or {}).get("optimizer") or {}).get("state", {}).values()
+                   for t in (t.values() if isinstance(t, dict) else ()) if isinstance(t, torch.Tensor)]
+        if bad := non_finite_tensors([*(model.state_dict() if weights is None else weights).values(), *moments]):
+            raise SystemExit(f"retireopd: not saving {final}: {bad} of its tensors hold NaN or infinite values "
+                             "(what was saved before is kept)")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             if dtype is None:
@@ -2328,7 +2454,10 @@ class Run:
             if problem is None:
                 try:
                     state = read_trainer_state(folder)
-                except Exception as error:  # cut short, missing, not a torch file: not resumable either way
+                    problem = trainer_state_problem(state)
+                except pickle.UnpicklingError:  # weights_only refused it
+                    problem = "trainer.pt asks to build objects that are not data (a pickle can run code): not loaded"
+                except Exception as error:  # cut short, missing, not a torch file
                     problem = "trainer.pt does not load: " + (str(error).strip().splitlines() or ["?"])[0]
             if problem is None and state.get("run_id", self.run_id) != self.run_id:
                 problem = f"it belongs to run {state['run_id']}, this folder holds run {self.run_id}"
@@ -2385,6 +2514,24 @@ class Run:
         if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)
             raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {rules}")
         self.log("metrics.jsonl", record)
+        self.note_skipped_steps(record)
+
+    SKIPPED_ITERATIONS_TO_STOP = 3  # iterations in a row whose every optimizer step was skipped
+
+    def note_skipped_steps(self, record: dict) -> None:
+        """An iteration whose every optimizer step was skipped (a non-finite loss or gradient) says so;
+        SKIPPED_ITERATIONS_TO_STOP of them in a row stop the run: it is no longer training."""
+        all_skipped = record.get("skipped_steps", 0) > 0 and record.get("optimizer_steps", 0) == 0
+        self.skipped_streak = self.skipped_streak + 1 if all_skipped else 0
+        if not all_skipped:
+            return
+        where = f"{record['phase']} iteration {record['iteration']}"
+        if self.skipped_streak >= self.SKIPPED_ITERATIONS_TO_STOP:
+            raise SystemExit(f"retireopd: every optimizer step of {self.skipped_streak} iterations in a row (up to "
+                             f"{where}) was skipped: the loss or its gradient is not finite, so the run is no longer "
+                             "training; start again with a lower --lr (the checkpoints hold the weights before)")
+        tqdm.write(f"[retireopd] note: {where}: all {record['skipped_steps']} optimizer steps were skipped (a "
+                   "non-finite loss or gradient); the weights did not change")
 
     def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
         """The retirement event (events.jsonl) with the numbers that decided it, and its message."""
@@ -2405,26 +2552,53 @@ class Run:
         """A resumable checkpoint every --save-every iterations, at the phase's last iteration and at
         retirement: the fp32 policy and everything a resumed run needs to go on exactly as this one."""
         last = iteration + 1 == iterations
-        if last or retired_now or (self.cfg.save_every and (iteration + 1) % self.cfg.save_every == 0):
+        stopping = not all_ranks(not STOP_REQUESTED)  # SIGTERM / SIGHUP (on any rank): stop here, with a checkpoint
+        if last or retired_now or stopping or (self.cfg.save_every and (iteration + 1) % self.cfg.save_every == 0):
             rngs = gather_objects(rng_state(next(model.parameters()).device))  # one per rank
             self.checkpoint(model, tokenizer, {
                 "phase": phase, "iteration": iteration, "optimizer": optimizer_state(model, optimizer),
                 "python_rng": rng.getstate(), "rng": rngs[0] if len(rngs) == 1 else rngs,
                 "world_size": world_size(), "val_successes": val_successes,
                 "retirement": dataclasses.asdict(retirement) if retirement else None})
+        if stopping:
+            raise Stopped(STOP_REQUESTED[0] if STOP_REQUESTED else signal.SIGTERM,
+                          f"after {phase} iteration {iteration}, with a checkpoint")
 
     def save_teacher(self, model, tokenizer, teacher_success: float, validations: list) -> None:
         # teacher_ready is logged before the save: a resume that finds teacher/ saved finds this line
         # too, one that does not drops it
         self.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
         self.save_model(model, tokenizer, "teacher", {"teacher_success": teacher_success, "env": self.cfg.env,
-                                                      "validations": validations[-2:]})
+                                                      "base_model": self.cfg.model, "validations": validations[-2:]})
         barrier()  # phase 2 reads it back on every rank
 
     def save_student(self, model, tokenizer, teacher_success: Optional[float],
                      retirement: Optional[Retirement]) -> None:
         self.save_model(model, tokenizer, "student", {"algo": self.cfg.algo, "teacher_success": teacher_success,
                                                       "retired_at": retirement.retired_at if retirement else None})
+
+
+# ----- Signals: SIGTERM (what a scheduler sends) and SIGHUP end a run at its next safe point --------
+STOP_REQUESTED: list = []  # the signal received, if any; the run stops at the end of the iteration
+
+
+class Stopped(KeyboardInterrupt):
+    """The run ends the way Ctrl-C ends it (the resume line), for a signal; exit status 128 + signal."""
+
+    def __init__(self, signum: int, where: str = "at once"):
+        super().__init__(signum, where)
+        self.signum, self.where = signum, where
+
+
+def stop_at_the_next_safe_point(signum: int, _frame) -> None:
+    """SIGTERM / SIGHUP: finish this iteration, write a checkpoint, then stop (checkpoint_phase). A second
+    signal stops at once, as Ctrl-C does (the last checkpoint is then the one to resume from)."""
+    if STOP_REQUESTED:
+        raise Stopped(signum)
+    STOP_REQUESTED.append(signum)
+    if main_process():
+        print(f"\n[retireopd] {signal.Signals(signum).name}: stopping after this iteration, with a checkpoint "
+              "(a second signal stops at once)", flush=True)
 
 
 def run_summary(run_dir: Path) -> str:
@@ -2638,6 +2812,8 @@ def progress_postfix(record: dict, val_successes: list, retirement: Optional[Ret
 def recorded_teacher_success(cfg: Config, teacher_dir: Path) -> float:
     """S_T for phase 2: recorded beside the teacher at the end of phase 1, or --teacher-success.
     S_T = 0 stops the run here for the adaptive rule: its competence test cannot be judged."""
+    if problem := teacher_folder_problem(teacher_dir, cfg.env):  # (damaged since the run started)
+        raise SystemExit(f"retireopd: {problem}")
     stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
     teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
     print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
@@ -2695,6 +2871,14 @@ class Models:
             shard(model, self.device)
         resume, self.state = (self.state if resuming else None), None  # handed over: held once
         return model, tokenizer, resume
+
+    def teacher(self, student, tokenizer) -> torch.nn.Module:
+        """The frozen teacher, once it is checked to score the student's tokens (teacher_fit_problem)."""
+        teacher = self.frozen_copy(self.teacher_dir)
+        if problem := teacher_fit_problem(teacher, self.teacher_dir, student, tokenizer):
+            raise SystemExit(f"retireopd: {problem}: a teacher must be trained from the student's base model "
+                             f"(--model {self.cfg.model}), as phase 1 does")
+        return teacher
 
     def frozen_copy(self, name) -> torch.nn.Module:
         """A frozen copy for scoring only (--frozen-dtype): the teacher, or the base model as reference."""
@@ -2776,6 +2960,7 @@ def parse_config(given: dict) -> Config:
     if "retire_at" in values and values["retire_at"] == "half":  # see TINY_PRESET_ELSEWHERE
         cfg.retire_at = max(1, cfg.iterations // 2) if cfg.algo == "retireopd" and cfg.teacher_success is None else None
     alfworld = cfg.env == "alfworld"
+    resolved_data_folders(cfg)
     cfg.max_turns = cfg.max_turns or (50 if alfworld else 15)
     cfg.max_prompt_tokens = cfg.max_prompt_tokens or (2048 if alfworld else 4096)
     cfg.mini_batch = cfg.mini_batch or (256 if alfworld else 64)
@@ -2783,6 +2968,21 @@ def parse_config(given: dict) -> Config:
         cfg.run_dir = str(Path("runs") / f"{cfg.env}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     validate_config(cfg)
     return cfg
+
+
+def resolved_data_folders(cfg: Config) -> None:
+    """What a run reads, as it resolves now, into cfg (so config.json records it and a resume reads the
+    same): the data folders with $ALFWORLD_DATA / $WEBSHOP_DATA applied (WebShop: "builtin" for the
+    built-in catalogue), and local --teacher / --model folders, as absolute paths."""
+    if cfg.env == "alfworld" and cfg.alfworld_data != "fixtures":
+        cfg.alfworld_data = str(alfworld_env.alfworld_data_root(cfg.alfworld_data).absolute())
+    if cfg.env == "webshop":
+        folder = cfg.webshop_data if cfg.webshop_data is not None else os.environ.get("WEBSHOP_DATA") or "builtin"
+        cfg.webshop_data = folder if folder == "builtin" else str(Path(folder).expanduser().absolute())
+    if cfg.teacher is not None:
+        cfg.teacher = str(Path(cfg.teacher).expanduser().absolute())
+    if cfg.model not in (*MODEL_ALIASES, "tiny") and ":" not in cfg.model and Path(cfg.model).expanduser().is_dir():
+        cfg.model = str(Path(cfg.model).expanduser().absolute())
 
 
 def resume_config(run_dir: str, given: dict) -> Config:
@@ -2797,6 +2997,12 @@ def resume_config(run_dir: str, given: dict) -> Config:
     # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
     # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
     # disk); and S_T, for a run that stopped at S_T = 0
+    known = {f.name for f in dataclasses.fields(Config)}
+    if not isinstance(saved, dict) or set(saved) - known:
+        unknown = sorted(set(saved) - known) if isinstance(saved, dict) else []
+        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json " + (
+            f"has settings this version of retireopd.py does not know ({', '.join(unknown)}): it was written by "
+            "another version; resume it with that one" if unknown else "is not a settings object (damaged)"))
     free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints",
             "report_to")  # (and where it is watched: the dashboard)
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
@@ -2805,49 +3011,166 @@ def resume_config(run_dir: str, given: dict) -> Config:
         raise SystemExit("retireopd: --resume continues a run with its own config; drop "
                          + ", ".join(clashes) + " or start a new run")
     cfg = Config(**{**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir})
-    validate_config(cfg)
+    validate_config(cfg, notes=False)
     return cfg
 
 
 def teacher_folder_problem(folder: Path, env: str) -> Optional[str]:
     """Why a saved phase-1 teacher cannot teach a run on `env`, or None: it must have been written by
-    phase 1 of this script (retireopd.json: S_T and the environment) on the same environment."""
-    try:
-        stored_env = json.loads((folder / "retireopd.json").read_text()).get("env")
-    except (OSError, ValueError):
+    phase 1 of this script (retireopd.json: S_T in [0, 1] and the environment) on the same
+    environment, and be a model folder (config.json and weights; their vocabulary is checked against
+    the student's when phase 2 loads it, teacher_fit_problem)."""
+    record = folder / "retireopd.json"
+    if not record.is_file():
         return (f"{folder}: no retireopd.json (the stored teacher success rate) in that folder; pass a folder "
                 "written by phase 1 of this script")
-    return None if stored_env == env else f"{folder} was trained on {stored_env}, this run is --env {env}"
-
-
-def check_run_folder(run_dir: str, resuming: bool) -> None:
-    """Refuse, in one line and before anything is written, a run folder that cannot be used: one that
-    holds another run (unless resuming it), a file, or a place where nothing can be written (a
-    read-only disk, /proc). The write test leaves no trace."""
-    folder = Path(run_dir)
-    if not resuming and holds_a_run(folder):
-        raise SystemExit(f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose another "
-                         "`--run-dir`")
-    blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise SystemExit(f"retireopd: --run-dir {run_dir}: {blocking} is a file, not a folder")
-    missing = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     try:
+        stored = json.loads(record.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        return f"{record} is damaged ({type(error).__name__}): not a teacher this script wrote"
+    success = stored.get("teacher_success") if isinstance(stored, dict) else None
+    if isinstance(success, bool) or not isinstance(success, (int, float)) or not 0 <= success <= 1:
+        return (f"{record} is damaged: its teacher_success (S_T) is {success!r}, not a number in [0, 1]"
+                if isinstance(stored, dict) and "teacher_success" in stored else
+                f"{record} is damaged: it holds no teacher_success (S_T)")
+    if stored.get("env") != env:
+        return f"{folder} was trained on {stored.get('env')}, this run is --env {env}"
+    if problem := saved_model_problem(folder):
+        return f"{folder} is not a whole model folder ({problem})"
+    return None
+
+
+def teacher_fit_problem(teacher, teacher_dir: Path, student, tokenizer) -> Optional[str]:
+    """Why a teacher cannot score the student's tokens, or None: the same vocabulary (the size of the
+    output layer, and the tokenizer's token -> id map). A teacher trained from the student's base
+    model always fits."""
+    sizes = (teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
+    if sizes[0] != sizes[1]:
+        return f"the teacher in {teacher_dir} has a vocabulary of {sizes[0]} tokens, the student {sizes[1]}"
+    teacher_tokenizer = transformers.AutoTokenizer.from_pretrained(str(teacher_dir))
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        return f"the teacher in {teacher_dir} has another tokenizer than the student (the same token ids mean " \
+               "other text)"
+    return None
+
+
+def check_run_folder(run_dir: str, resuming: bool) -> list:
+    """Take the run folder, or refuse it in one line before anything is written: one that another
+    process is using (lock_run_folder), one that holds another run (unless resuming it; a run that
+    stopped before its first iteration is cleared instead), a file, or a place where nothing can be
+    written (a read-only or full disk, a name too long). The write test leaves no trace."""
+    folder = Path(run_dir)
+    missing = []
+    try:
+        blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise SystemExit(f"retireopd: --run-dir {run_dir}: {blocking} is a file, not a folder")
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / ".retireopd-write-test"
         probe.write_text("ok")
         probe.unlink()
     except OSError as error:
-        raise SystemExit(f"retireopd: --run-dir {run_dir}: cannot create or write a folder there "
-                         f"({error.strerror or error}): choose one on a writable disk") from None
-    finally:
         for created in missing:
             with contextlib.suppress(OSError):
                 created.rmdir()
+        advice = {errno.ENOSPC: "the disk is full: free some space there, or choose a folder on another disk",
+                  errno.EDQUOT: "your disk quota is used up: free some of it, or choose a folder elsewhere",
+                  errno.ENAMETOOLONG: "a name in that path is longer than the filesystem allows: choose a shorter "
+                                      "one"}.get(error.errno, "choose one on a writable disk")
+        raise SystemExit(f"retireopd: --run-dir {run_dir}: cannot create or write a folder there "
+                         f"({error.strerror or error}): {advice}") from None
+    lock_existed = (folder / LOCK_FILE).exists()
+    lock_run_folder(folder)
+    if not resuming and holds_a_run(folder):
+        if not stopped_before_its_first_iteration(folder):
+            if not lock_existed:  # (a folder of an older version: left as it was)
+                give_back_run_folder(run_dir, [])
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+            raise SystemExit(f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose "
+                             "another `--run-dir`")
+        for name in (*RUN_ENTRIES, *RUN_ARTEFACTS):
+            path = folder / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained "
+              "or saved): cleared, and this run starts there")
+    return missing
 
 
-def validate_config(cfg: Config) -> None:
-    """Bad flags fail here, in one line each, before any model is loaded."""
+def give_back_run_folder(run_dir: str, created: list) -> None:
+    """A start that failed before the run wrote anything: unlock the folder, and remove the lock file and
+    the folders this start created, when they hold nothing else (nothing then blocks the next start)."""
+    folder = Path(run_dir)
+    lock = folder / LOCK_FILE
+    if (handle := HELD_LOCKS.pop(str(lock.resolve()), None)) is not None:
+        handle.close()
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+        lock.unlink(missing_ok=True)
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+LOCK_FILE = ".retireopd.lock"  # in the run folder; its flock is held by the process that runs there
+RUN_ARTEFACTS = ("tiny_base", "tiny_base.tmp", "alfworld_fixtures", "tensorboard", "wandb", "plot.png")
+HELD_LOCKS: dict = {}  # run folder -> its open lock file; the kernel releases the lock when this process ends
+
+
+def lock_run_folder(folder: Path) -> None:
+    """One process per run folder: an exclusive flock on RUN_DIR/.retireopd.lock, taken before the folder
+    is checked and held until this process ends (a crash or SIGKILL releases it too). The file names
+    the holder, for the one-line refusal of a second start or of a --resume of a live run. A filesystem
+    without locks (some network disks) gets a note: the folder is then not guarded."""
+    import fcntl
+    path = folder / LOCK_FILE
+    if str(path.resolve()) in HELD_LOCKS:  # this process holds it already (main called again, as tests do)
+        return
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process (it is starting)"
+        handle.close()
+        raise SystemExit(f"retireopd: {folder} is in use by {holder}: one process per run folder; wait for it to "
+                         f"end (or stop it), then `--resume {folder}` continues the run") from None
+    except OSError as error:
+        print(f"[retireopd] note: {folder}'s filesystem cannot lock files ({error.strerror}): nothing keeps a "
+              "second process out of this run folder")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"process {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                 f"(`{shlex.join(sys.argv[:1] + sys.argv[1:])[:300]}`)")
+    handle.flush()
+    HELD_LOCKS[str(path.resolve())] = handle
+
+
+def release_run_folders() -> None:
+    """Let other processes use the run folders this one held (at the end of main; exiting does it too)."""
+    while HELD_LOCKS:
+        HELD_LOCKS.popitem()[1].close()
+
+
+def stopped_before_its_first_iteration(folder: Path) -> bool:
+    """A run folder whose start failed after run.json was written (a teacher that does not fit, a
+    model that does not load): our run.json, and no iteration, evaluation, checkpoint or saved model."""
+    try:
+        if "run_id" not in json.loads((folder / RUN_IDENTITY).read_text()):
+            return False
+    except (OSError, ValueError, TypeError):
+        return False
+    progress = [name for name in ("metrics.jsonl", "eval.jsonl") if read_jsonl(folder / name)]
+    return not progress and not any((folder / name).exists() for name in ("checkpoints", "teacher", "student"))
+
+
+def validate_config(cfg: Config, notes: bool = True) -> None:
+    """Bad flags fail here, in one line each, before any model is loaded (and flags that are merely unused
+    get a note, unless `notes` is False: a resume said them when the run started)."""
+    not_finite = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}: must be a finite number"
+                  for f in dataclasses.fields(Config)
+                  if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if not_finite:  # (NaN passes every `< 0` below: nothing else is judged until these are fixed)
+        raise SystemExit("retireopd: " + "\n".join(not_finite))
     problems = []
     if cfg.algo not in ALGOS:
         problems.append(f"--algo {cfg.algo!r}: choose one of {', '.join(ALGOS)}")
@@ -2893,6 +3216,19 @@ def validate_config(cfg: Config) -> None:
     for name in ("kl_coef", "opd_kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr", "weight_decay"):
         if getattr(cfg, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if cfg.lr >= 1 or cfg.lr * cfg.weight_decay >= 1:  # AdamW: w <- w (1 - lr wd) - lr m/sqrt(v)
+        problems.append(f"--lr {cfg.lr} with --weight-decay {cfg.weight_decay}: an AdamW step moves each weight by "
+                        "about lr and multiplies it by 1 - lr * weight decay, so lr must be < 1 and lr * weight "
+                        "decay < 1 (the protocol's lr is 1e-6)")
+    algorithm = ALGORITHMS.get(cfg.algo)
+    if algorithm is not None and not algorithm.opd and cfg.teacher is not None:  # grpo, skill-grpo
+        problems.append(f"--teacher: --algo {cfg.algo} " + ("trains a teacher and no student" if cfg.algo == "skill-grpo"
+                        else "trains a student without a teacher") + ", so it would not be used: drop it, or "
+                        "choose --algo retireopd, opd or grpo+opd")
+    if notes and algorithm is not None and cfg.teacher_success is not None and (
+            algorithm.retirement is None or cfg.retire_at is not None):  # merely unused: a note
+        print(f"[retireopd] note: --teacher-success only decides the adaptive retirement: --algo {cfg.algo}"
+              + (f" --retire-at {cfg.retire_at}" if cfg.retire_at is not None else "") + " does not use it")
     if cfg.algo == "opd" and cfg.opd_coef == 0:
         problems.append("--algo opd trains on lambda * L_OPD alone: --opd-coef must be > 0")
     if cfg.dual_clip <= 1:
@@ -2910,7 +3246,7 @@ def validate_config(cfg: Config) -> None:
         problems.append("--webshop-reward: faithful or fixed")
     if cfg.env_workers < 0:
         problems.append("--env-workers must be >= 0 (0: step ALFWorld in this process)")
-    elif cfg.env_workers and cfg.env != "alfworld":
+    elif notes and cfg.env_workers and cfg.env != "alfworld":
         print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
     if cfg.frozen_dtype not in ("float32", "bfloat16"):
         problems.append("--frozen-dtype: float32 or bfloat16")
@@ -3302,7 +3638,11 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     args = vars(build_parser().parse_args(argv))
     resume_dir, plot_dir, compare = args.pop("resume"), args.pop("plot"), args.pop("compare")
     if plot_dir or compare:
-        out = plot_runs([plot_dir] if plot_dir else compare)
+        try:
+            out = plot_runs([plot_dir] if plot_dir else compare)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+            raise SystemExit(f"retireopd: cannot draw {', '.join([plot_dir] if plot_dir else compare)}: their logs are "
+                             f"not a run's of this script ({type(error).__name__}: {error})") from None
         print(f"[retireopd] wrote {out}" if out else "")
         return out
     run_benchmark = args.pop("benchmark")
@@ -3316,8 +3656,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         raise SystemExit(f"retireopd: {problem}")
     if run_benchmark and world_size() > 1:
         raise SystemExit("retireopd: --benchmark runs in one process: start it with python, not torchrun")
-    if main_process():  # (under torchrun the other ranks wait for it in start_processes)
-        check_run_folder(cfg.run_dir, resuming=bool(resume_dir))
+    # one process per run folder: rank 0 locks it (under torchrun the other ranks wait in start_processes)
+    created = check_run_folder(cfg.run_dir, resuming=bool(resume_dir)) if main_process() else []
     if run_benchmark:
         print_benchmark(benchmark(cfg), Path(cfg.run_dir))
         return Path(cfg.run_dir)
@@ -3327,8 +3667,14 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     try:  # data problems surface here, in one line, before any model is loaded
         suite = TaskSuite(cfg)
     except (FileNotFoundError, ValueError) as error:
+        give_back_run_folder(cfg.run_dir, created)
         raise SystemExit(f"retireopd: {error}") from None
-    run = Run(cfg)
+    except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
+        give_back_run_folder(cfg.run_dir, created)
+        data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
+        raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
+                         "a file lacks a field or has another shape than the benchmark's") from None
+    run = Run(cfg, run_inputs(cfg, suite))
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
     # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.
     checkpoint, state = run.resumable_checkpoint() if resume_dir else (None, None)
@@ -3360,6 +3706,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     stop_processes()
     if not main_process():
         return run.dir
+    release_run_folders()
     plot = plot_runs([run.dir])
     print(f"[retireopd] summary: {run_summary(run.dir)}")
     print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"
@@ -3368,10 +3715,15 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
 
 
 if __name__ == "__main__":
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop, a closed terminal: as Ctrl-C, but
+        signal.signal(stop_signal, stop_at_the_next_safe_point)  # at the end of the iteration, with a checkpoint
     try:
         main()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         launcher = f"torchrun --nproc_per_node {world_size()}" if world_size() > 1 else "python"
         resume = f"{launcher} retireopd.py --resume {shlex.quote(str(Run.latest))}"
-        sys.exit(f"\n[retireopd] interrupted: continue with `{resume}` (from the last checkpoint)" if Run.latest
-                 else "\n[retireopd] interrupted before the run folder was written: nothing to resume")
+        how = (f"stopped by {signal.Signals(interrupt.signum).name} {interrupt.where}"
+               if isinstance(interrupt, Stopped) else "interrupted")
+        print(f"\n[retireopd] {how}: continue with `{resume}` (from the last checkpoint)" if Run.latest
+              else f"\n[retireopd] {how} before the run folder was written: nothing to resume", file=sys.stderr)
+        sys.exit(128 + interrupt.signum if isinstance(interrupt, Stopped) else 1)

@@ -1033,10 +1033,13 @@ def get_reward(product, goal, price, options, mode="faithful", title_nouns=None)
 # Environment
 # =============================================================================
 
+BUILTIN = "builtin"  # data_dir naming the built-in catalogue
+
+
 class WebShop:
     """The shared, read-only part: catalogue, prices, goals, split and search index.
 
-    ``data_dir`` None -> $WEBSHOP_DATA if set, else the built-in catalogue. The
+    ``data_dir`` None -> $WEBSHOP_DATA if set, else the built-in catalogue ("builtin": that one). The
     random draws (prices of ranges, goal budgets) follow ``random.seed(seed)`` set
     right before the original's ``load_products`` (seed 42 gives the goldens').
     """
@@ -1045,6 +1048,7 @@ class WebShop:
         if reward_mode not in REWARD_MODES:
             raise ValueError(f"reward_mode must be one of {REWARD_MODES}, not {reward_mode!r}")
         data_dir = data_dir if data_dir is not None else os.environ.get("WEBSHOP_DATA") or None
+        data_dir = None if data_dir == BUILTIN else data_dir  # "builtin": the built-in one, whatever the variable says
         self.builtin = data_dir is None
         if self.builtin:
             raw_products, attributes = builtin_catalogue()
