@@ -2315,7 +2315,8 @@ def format_bytes(n: float) -> str:
 class Run:
     """The side effects of a run: its folder, the jsonl logs, models and checkpoints.
 
-    run_dir/run.json           which run the folder holds (its id; a new run refuses such a folder)
+    run_dir/run.json           which run the folder holds (its id, its inputs; a new run refuses such a folder)
+    run_dir/.retireopd.lock    flock'ed by the process running there (lock_run_folder): one process per folder
     run_dir/config.json        the resolved Config
     run_dir/metrics.jsonl      one line per training iteration (docs/metrics.md: what each key means)
     run_dir/events.jsonl       start, teacher ready, retirement, done
@@ -2371,7 +2372,8 @@ class Run:
         free = shutil.disk_usage(self.dir).free
         newest = (self.checkpoints() or [None])[-1]
         needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
-        code = getattr(error, "errno", None)
+        code = getattr(error, "errno", None) or next(  # safetensors says "... (os error 27)"
+            (int(n) for n in re.findall(r"os error (\d+)", reason)), None)
         full = code == errno.ENOSPC or "No space left" in reason or (free < needed and code != errno.EFBIG)
         kept = (f"the last checkpoint, {newest.name}, is kept: `--resume {self.dir}` continues from it" if newest
                 else "no checkpoint was written yet")
@@ -3094,6 +3096,7 @@ def check_run_folder(run_dir: str, resuming: bool) -> list:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained "
               "or saved): cleared, and this run starts there")
+    name_the_holder(folder)
     return missing
 
 
@@ -3137,12 +3140,19 @@ def lock_run_folder(folder: Path) -> None:
     except OSError as error:
         print(f"[retireopd] note: {folder}'s filesystem cannot lock files ({error.strerror}): nothing keeps a "
               "second process out of this run folder")
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"process {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')} "
-                 f"(`{shlex.join(sys.argv[:1] + sys.argv[1:])[:300]}`)")
-    handle.flush()
     HELD_LOCKS[str(path.resolve())] = handle
+
+
+def name_the_holder(folder: Path) -> None:
+    """Write who holds the folder's lock into the lock file (once the folder is taken: a refused start
+    leaves it as it was), for the refusal another start will print."""
+    handle = HELD_LOCKS.get(str((folder / LOCK_FILE).resolve()))
+    if handle is not None:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                     f"(`{shlex.join(sys.argv)[:300]}`)")
+        handle.flush()
 
 
 def release_run_folders() -> None:
