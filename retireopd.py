@@ -2609,10 +2609,13 @@ def run_summary(run_dir: Path) -> str:
     events = read_jsonl(run_dir / "events.jsonl")
     reports = {(e["phase"], e["skills"]): e["overall"] for e in read_jsonl(run_dir / "eval.jsonl")
                if e.get("panel") == "report"}
-    saved = {phase: json.loads((run_dir / phase / "retireopd.json").read_text()) for phase in PHASES
-             if (run_dir / phase / "retireopd.json").is_file()}
+    saved = {}
+    for phase in PHASES:
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads((run_dir / phase / "retireopd.json").read_text())
+            saved[phase] = record if isinstance(record, dict) else {}
     teacher_success = saved.get("student", saved.get("teacher", {})).get("teacher_success")
-    parts = [] if teacher_success is None else [f"S_T {teacher_success:.3f}"]
+    parts = [f"S_T {teacher_success:.3f}"] if isinstance(teacher_success, (int, float)) else []
     retirements = [e for e in events if e["event"] == "retirement"]
     if retirements:
         parts.append(f"teacher retired from student iteration {retirements[-1]['retired_at']} "
@@ -3076,7 +3079,8 @@ def check_run_folder(run_dir: str, resuming: bool) -> list:
         for created in missing:
             with contextlib.suppress(OSError):
                 created.rmdir()
-        advice = {errno.ENOSPC: "the disk is full: free some space there, or choose a folder on another disk",
+        advice = {errno.ENOSPC: "the disk is full: free some space there" + (
+                      ", then resume" if resuming else ", or choose a folder on another disk"),
                   errno.EDQUOT: "your disk quota is used up: free some of it, or choose a folder elsewhere",
                   errno.ENAMETOOLONG: "a name in that path is longer than the filesystem allows: choose a shorter "
                                       "one"}.get(error.errno, "choose one on a writable disk")

@@ -5,6 +5,7 @@ teacher checked against its student, signals, contradictory flags, and every bad
 Each test below fails on the code before these checks existed (the closing comment of each says how
 it would fail). Fast ones run in seconds; the few with subprocesses are marked slow.
 """
+import importlib.util
 import json
 import os
 import re
@@ -373,3 +374,22 @@ def test_advice_fits_the_failure(tmp_path):
     too_big = run.write_failure("metrics.jsonl", OSError(errno.EFBIG, "File too large"))
     assert "ulimit -f" in too_big and "free some space" not in too_big
     assert "free some space" in run.write_failure("metrics.jsonl", OSError(errno.ENOSPC, "No space left on device"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("alfworld") is None, reason="alfworld is not installed")
+def test_broken_alfworld_games_through_the_real_engine(tmp_path):
+    import alfworld_env
+    root = alfworld_env.write_fixture_alfworld_games(tmp_path / "games")
+    valid = alfworld_env.discover_alfworld_games(root, "valid_seen")
+    broken = json.dumps({"pddl_domain": "(define", "grammar": "", "pddl_problem": "", "solvable": True})
+    Path(valid[0]).write_text(broken)  # one game of the panel that the engine cannot load
+    flags = QUICK + ["--env", "alfworld", "--alfworld-data", str(root), "--algo", "grpo", "--iterations", "1",
+                     "--eval-episodes", "3"]
+    R.main(flags + ["--run-dir", str(tmp_path / "one")])
+    first = R.read_jsonl(tmp_path / "one" / "eval.jsonl")[0]
+    assert first["env_errors"] == 1 and first["n"] == 2  # before: n 3, the broken game a "failure"
+    for game in valid[1:]:
+        Path(game).write_text(broken)
+    one_line_refusal(flags + ["--run-dir", str(tmp_path / "all")],
+                     "every episode of the student validation \\(3 tasks\\) failed to start")
