@@ -1166,9 +1166,9 @@ def start_episodes(episodes: list) -> None:
     exception, or an error the environment reports) is an error: the episode ends with no turn, so it
     is never trained on, and it is counted (env_errors); evaluate leaves it out of the success rate."""
     for episode, result in zip(episodes, env_calls([(e.env, "reset", ()) for e in episodes])):
-        if isinstance(result, Exception) or result[1].get("error"):
-            episode.done, episode.error = True, f"reset: {result!r}" if isinstance(result, Exception) else \
-                f"reset: {result[1]['error']}"
+        error = repr(result) if isinstance(result, Exception) else result[1].get("error")
+        if error:
+            episode.done, episode.error = True, f"reset: {error}"
             continue
         episode.observation, info = result
         episode.task, episode.task_type, episode.admissible = info["task"], info["task_type"], info["admissible"]
@@ -2221,7 +2221,8 @@ def run_identity(folder: Path, cfg: Config, inputs: dict) -> dict:
         identity = json.loads(path.read_text())
         if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
             return identity
-    if path.exists():
+    damaged = path.exists()
+    if damaged:
         os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
@@ -2232,7 +2233,7 @@ def run_identity(folder: Path, cfg: Config, inputs: dict) -> dict:
         with contextlib.suppress(Exception):
             identity.update(run_id=str(read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
                             restored_from=checkpoint.name)
-            print(f"[retireopd] note: {path} was {'damaged' if path.with_name(RUN_IDENTITY + '.corrupt').exists() else 'missing'}: "
+            print(f"[retireopd] note: {path} was {'damaged (kept as run.json.corrupt)' if damaged else 'missing'}: "
                   f"restored from checkpoint {checkpoint.name} (run {identity['run_id']})")
             break
     write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
@@ -3236,9 +3237,9 @@ def validate_config(cfg: Config, notes: bool = True) -> None:
                         "decay < 1 (the protocol's lr is 1e-6)")
     algorithm = ALGORITHMS.get(cfg.algo)
     if algorithm is not None and not algorithm.opd and cfg.teacher is not None:  # grpo, skill-grpo
-        problems.append(f"--teacher: --algo {cfg.algo} " + ("trains a teacher and no student" if cfg.algo == "skill-grpo"
-                        else "trains a student without a teacher") + ", so it would not be used: drop it, or "
-                        "choose --algo retireopd, opd or grpo+opd")
+        trains = "a teacher and no student" if cfg.algo == "skill-grpo" else "a student without a teacher"
+        problems.append(f"--teacher: --algo {cfg.algo} trains {trains}, so it would not be used: drop it, or choose "
+                        "--algo retireopd, opd or grpo+opd")
     if notes and algorithm is not None and cfg.teacher_success is not None and (
             algorithm.retirement is None or cfg.retire_at is not None):  # merely unused: a note
         print(f"[retireopd] note: --teacher-success only decides the adaptive retirement: --algo {cfg.algo}"

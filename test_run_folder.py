@@ -272,7 +272,8 @@ def test_a_teacher_with_another_vocabulary_is_refused_and_the_corrected_command_
     teacher = save_teacher(tmp_path / "big", vocab_extra=64)
     run_dir = tmp_path / "r"
     vocab = R.load_policy("tiny", torch.device("cpu"), torch.float32)[0].config.vocab_size
-    one_line_refusal(QUICK + ["--env", "webshop", "--algo", "opd", "--teacher", str(teacher), "--run-dir", str(run_dir)],
+    one_line_refusal(QUICK + ["--env", "webshop", "--algo", "opd", "--teacher", str(teacher),
+                              "--run-dir", str(run_dir)],
                      f"has a vocabulary of {vocab + 64} tokens, the student {vocab}: a teacher must be trained")
     assert (run_dir / "run.json").is_file()  # the start failed after the run folder was written
     capsys.readouterr()
