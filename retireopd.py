@@ -2184,6 +2184,14 @@ def read_jsonl(path: Path, note: bool = False) -> list:
     return records
 
 
+def tensors_in(value) -> list:
+    """Every tensor in a nested structure of dicts, lists and tuples (a trainer state)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [tensor for item in items for tensor in tensors_in(item)]
+
+
 def finite_json(value):
     """value with every float NaN or infinity replaced by None (JSON null), through dicts and lists."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -2211,6 +2219,13 @@ def holds_a_run(folder: Path) -> bool:
     return any((Path(folder) / name).exists() for name in RUN_ENTRIES)
 
 
+def checkpoint_folders(run_dir: Path) -> list:
+    """The resumable checkpoints of a run folder, oldest first (not one being written, nor one set aside)."""
+    folder = Path(run_dir) / "checkpoints"
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith((".tmp", ".corrupt"))) \
+        if folder.is_dir() else []
+
+
 def run_identity(folder: Path, cfg: Config, inputs: dict) -> dict:
     """The folder's run.json: which run it holds (an id, when it started, what it runs, and `inputs`, what
     it trains and validates on). Read when it exists (a resumed run keeps its id), written otherwise.
@@ -2227,9 +2242,7 @@ def run_identity(folder: Path, cfg: Config, inputs: dict) -> dict:
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
                 "inputs": inputs}
-    checkpoints = sorted((p for p in (folder / "checkpoints").glob("*") if p.is_dir() and "." not in p.name),
-                         reverse=True) if (folder / "checkpoints").is_dir() else []
-    for checkpoint in checkpoints:  # the newest whose trainer state names its run
+    for checkpoint in reversed(checkpoint_folders(folder)):  # the newest whose trainer state names its run
         with contextlib.suppress(Exception):
             identity.update(run_id=str(read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
                             restored_from=checkpoint.name)
@@ -2401,9 +2414,8 @@ class Run:
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
         if not main_process():
             return final
-        moments = [t for t in ((trainer_state or {}).get("optimizer") or {}).get("state", {}).values()
-                   for t in (t.values() if isinstance(t, dict) else ()) if isinstance(t, torch.Tensor)]
-        if bad := non_finite_tensors([*(model.state_dict() if weights is None else weights).values(), *moments]):
+        tensors = [*(model.state_dict() if weights is None else weights).values(), *tensors_in(trainer_state)]
+        if bad := non_finite_tensors(tensors):  # weights, AdamW's moments
             raise SystemExit(f"retireopd: not saving {final}: {bad} of its tensors hold NaN or infinite values "
                              "(what was saved before is kept)")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -2434,10 +2446,7 @@ class Run:
             shutil.rmtree(old, ignore_errors=True)
 
     def checkpoints(self) -> list:
-        """The resumable checkpoints, oldest first (not one being written, nor one set aside)."""
-        folder = self.dir / "checkpoints"
-        return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith((".tmp", ".corrupt"))) \
-            if folder.is_dir() else []
+        return checkpoint_folders(self.dir)
 
     def resumable_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
         """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a
@@ -3000,15 +3009,15 @@ def resume_config(run_dir: str, given: dict) -> Config:
         saved = json.loads(saved_file.read_text())
     except ValueError:
         raise SystemExit(f"retireopd: --resume {run_dir}: its config.json is damaged (not JSON)") from None
-    # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
-    # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
-    # disk); and S_T, for a run that stopped at S_T = 0
     known = {f.name for f in dataclasses.fields(Config)}
     if not isinstance(saved, dict) or set(saved) - known:
         unknown = sorted(set(saved) - known) if isinstance(saved, dict) else []
         raise SystemExit(f"retireopd: --resume {run_dir}: its config.json " + (
             f"has settings this version of retireopd.py does not know ({', '.join(unknown)}): it was written by "
             "another version; resume it with that one" if unknown else "is not a settings object (damaged)"))
+    # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
+    # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
+    # disk); and S_T, for a run that stopped at S_T = 0
     free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints",
             "report_to")  # (and where it is watched: the dashboard)
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
