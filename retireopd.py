@@ -3448,25 +3448,26 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
 
     matplotlib is optional: without it we say how to get the plot and return None.
     """
-    try:
+    missing = [str(d) for d in run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
+    if missing:
+        raise SystemExit(f"retireopd: no metrics.jsonl in {', '.join(missing)}: not a run folder")
+    configs = [json.loads((Path(d) / "config.json").read_text()) for d in run_dirs]
+    envs = sorted({c["env"] for c in configs})
+    title = (f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
+             else f"{len(run_dirs)} runs on {' and '.join(envs)}")
+    all_metrics = [read_jsonl(Path(d) / "metrics.jsonl") for d in run_dirs]
+    # phase 2 is drawn after phase 1 on one iteration axis: every run's phase 2 starts at the same
+    # place (a --algo grpo run, which has no phase 1, beside a RetireOPD student)
+    offset = max(sum(m["phase"] == "teacher" for m in metrics) for metrics in all_metrics)
+    try:  # (the logs are read first: logs that are not a run's are an error with or without matplotlib)
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("[retireopd] no plot: `pip install matplotlib`, then `python retireopd.py --plot RUN_DIR`")
         return None
-    missing = [str(d) for d in run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
-    if missing:
-        raise SystemExit(f"retireopd: no metrics.jsonl in {', '.join(missing)}: not a run folder")
     fig, (ax_success, ax_gap) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
-    configs = [json.loads((Path(d) / "config.json").read_text()) for d in run_dirs]
-    envs = sorted({c["env"] for c in configs})
-    fig.suptitle(f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
-                 else f"{len(run_dirs)} runs on {' and '.join(envs)}", fontsize=10)
-    all_metrics = [read_jsonl(Path(d) / "metrics.jsonl") for d in run_dirs]
-    # phase 2 is drawn after phase 1 on one iteration axis: every run's phase 2 starts at the same
-    # place (a --algo grpo run, which has no phase 1, beside a RetireOPD student)
-    offset = max(sum(m["phase"] == "teacher" for m in metrics) for metrics in all_metrics)
+    fig.suptitle(title, fontsize=10)
     for n, (run_dir, metrics) in enumerate(zip(map(Path, run_dirs), all_metrics)):
         color = f"C{n}"
         label = run_dir.name if len(run_dirs) > 1 else "student"
