@@ -40,6 +40,46 @@ ALFWORLD_TASK_TYPES = (  # alfworld's TASK_TYPES 1..6, in that order
     "pick_cool_then_place_in_recep",
     "pick_two_obj_and_place",
 )
+# The skills of ALFWorld: short strategy notes per task type, written by us (the privileged information of
+# self-OPD). Only the teacher sees them: in phase 1 while it trains, in phase 2 when it scores the student's
+# tokens (retireopd.py, skill_text).
+ALFWORLD_SKILLS = {
+    "general": [
+        "Read the task sentence first: note the object, any required treatment (clean, heat, cool, "
+        "look under a lamp) and the target receptacle.",
+        "Only use commands from the admissible list, copied exactly, including the object numbers.",
+        "Search systematically: visit each likely receptacle once; open closed ones (drawer, cabinet, "
+        "fridge, microwave) before looking inside, and do not revisit places you already checked.",
+        "You can carry one object at a time. Take the object with 'take X from Y' before moving.",
+        "Finish with 'move X to Y' at the target receptacle; the task ends as soon as it is satisfied.",
+    ],
+    "pick_and_place_simple": [
+        "Find the object (countertops, tables, shelves, drawers, cabinets), take it, go to the "
+        "target receptacle, open it if needed, and move the object there.",
+    ],
+    "look_at_obj_in_light": [
+        "Find and take the object first, then find a desklamp or floorlamp (usually on a desk, "
+        "sidetable or dresser), go there and 'use' the lamp while holding the object.",
+    ],
+    "pick_clean_then_place_in_recep": [
+        "Take the object, go to a sinkbasin, 'clean X with sinkbasin N', then carry it to the "
+        "target receptacle and move it there.",
+    ],
+    "pick_heat_then_place_in_recep": [
+        "Take the object, go to the microwave, 'heat X with microwave 1' (no need to open it), then "
+        "carry it to the target receptacle and move it there.",
+    ],
+    "pick_cool_then_place_in_recep": [
+        "Take the object, go to the fridge, 'cool X with fridge 1' (no need to open it), then carry "
+        "it to the target receptacle and move it there.",
+    ],
+    "pick_two_obj_and_place": [
+        "You need two objects of the same kind but can carry one: take the first, put it in the "
+        "target receptacle, then search the places you have not checked for the second one.",
+    ],
+}
+
+
 ALFWORLD_DOWNLOAD_HINT = (
     "Get the games with `pip install alfworld==0.4.2 && alfworld-download`. It puts them in "
     "~/.cache/alfworld unless $ALFWORLD_DATA is set; point --alfworld-data (or $ALFWORLD_DATA) at "

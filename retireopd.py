@@ -3,31 +3,31 @@
 Phase 1 trains a teacher with GRPO while the task's skill notes sit in its prompt, then freezes it;
 S_T is its validation success with skills. Phase 2 trains a fresh, skill-free student with GRPO plus
 an on-policy distillation loss lambda * L_OPD: the teacher scores every token the student sampled.
-At every validation the mean gap K between student and teacher over a block of W iterations is
-compared with the block judged before it: once K stopped shrinking and the student's last two
-validations average at least rho * S_T, the teacher is retired and GRPO alone goes on.
+The gap K between student and teacher is averaged over blocks of W iterations; a validation judges
+the newest full block against the one judged before it. Once K stopped shrinking and the student's
+successes at this and the previous judging validation average at least rho * S_T, the teacher is
+retired and GRPO alone goes on.
 
 Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
-math, 4 rollout, 5 update, 6 one iteration, a phase, the two phases. Then a banner: below it is
-plumbing that does not change the math (environments, models, model calls, torchrun, run folder,
-CLI, main). `python retireopd.py --model tiny` runs the offline demo; --help lists every flag.
-Every deliberate choice, with its reason, is in README.md, "Choices and deviations".
+math, 4 rollout, 5 update, 6 one iteration, a phase, the two phases. There the method ends, at a
+banner. Below it is what one process needs to run it (the episodes, the model calls, the
+environments, loading, the run folder, the command line). Several processes (torchrun) add the
+`if ddp:` blocks, whose helpers are in multigpu.py; the checks and repairs of a run folder are in
+checks.py, the memory estimate, dashboards, plot and benchmark in tools.py, the models built in code
+in tiny.py. `python retireopd.py` runs the offline demo; --help lists every flag. Every deliberate
+choice, with its reason, is in docs/choices.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
-import errno
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shlex
@@ -37,15 +37,19 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 
 import alfworld_env  # ALFWorld's engine machinery (alfworld itself is imported only when a game is played)
+import webshop_env  # WebShop's catalogue, search engine and reward, in pure Python
+
+sys.modules.setdefault("retireopd", sys.modules[__name__])  # run as a script, the modules below import it by name
+import checks  # noqa: E402 (the run folder's checks and repairs)
+import multigpu  # noqa: E402 (what several processes add: each `if ddp:` block of the method)
 
 
 # ==================================================================================================
@@ -56,15 +60,16 @@ import alfworld_env  # ALFWorld's engine machinery (alfworld itself is imported 
 class Algorithm(NamedTuple):
     """What one --algo runs. Phase 1 (Skill-GRPO) trains the teacher with GRPO, skills in its prompt.
     Phase 2 trains a fresh, skill-free student; with a teacher, under the authors' phase-2 protocol
-    (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol)."""
+    (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol). The student_
+    fields say how phase 2 trains; phase 1 is always Skill-GRPO."""
     teacher_phase: bool  # phase 1 runs (or --teacher reuses a saved teacher)
     student_phase: bool  # phase 2 runs
-    grpo: bool  # phase 2 trains on environment reward: the PPO-clip GRPO loss
-    opd: bool  # phase 2 distils from the frozen teacher: lambda * L_OPD
-    retirement: Optional[str]  # "adaptive": the authors' rule (--retire-at N: a fixed schedule); None: never
+    student_grpo: bool  # the student trains on environment reward: the PPO-clip GRPO loss
+    student_opd: bool  # the student distils from the frozen teacher: lambda * L_OPD
+    student_retirement: Optional[str]  # "adaptive": the authors' rule (--retire-at N: a fixed schedule); None: never
 
 
-ALGORITHMS = {  # teacher_phase, student_phase, grpo, opd, retirement
+ALGORITHMS = {  # teacher_phase, student_phase, student_grpo, student_opd, student_retirement
     "retireopd": Algorithm(True, True, True, True, "adaptive"),  # the method
     "grpo": Algorithm(False, True, True, False, None),  # the RL baseline
     "skill-grpo": Algorithm(True, False, False, False, None),  # the teacher alone, reported with and without skills
@@ -74,6 +79,9 @@ ALGORITHMS = {  # teacher_phase, student_phase, grpo, opd, retirement
 ALGOS = tuple(ALGORITHMS)
 PHASES = ("teacher", "student")
 ENVS = ("alfworld", "webshop", "kitchen")
+# Several processes: `torchrun --nproc_per_node N retireopd.py` sets WORLD_SIZE. Each `if ddp:` block of
+# the method says what they add (helpers in multigpu.py); `python retireopd.py` runs none of them.
+ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def arg(default, help: str):
@@ -84,7 +92,8 @@ def arg(default, help: str):
 @dataclass
 class Config:
     # --- what to run -----------------------------------------------------------------------------
-    model: str = arg("Qwen2.5-1.5B", "hub id, local folder, alias (Qwen2.5-1.5B/3B/7B), random:<alias>, tiny")
+    model: str = arg("tiny", "tiny: the offline demo (tiny.py); an alias (Qwen2.5-1.5B/3B/7B: the paper's protocol, "
+                     "the defaults below), hub id, local folder, or random:<alias>")
     algo: str = arg("retireopd", "retireopd | grpo | skill-grpo | opd | grpo+opd (README: Algorithms)")
     env: str = arg("alfworld", "alfworld | webshop | kitchen (the offline demo's; the `tiny` preset's default)")
     alfworld_data: Optional[str] = arg(None, "root with json_2.1.1/ (default $ALFWORLD_DATA, else ~/.cache/alfworld); "
@@ -155,7 +164,9 @@ class Config:
 # ==================================================================================================
 # 2. Skills and prompts
 # ==================================================================================================
-# What the teacher sees beyond the student: its task type's skill block (skill_text; our texts, section 7).
+# What the teacher sees beyond the student: its task type's skill block (skill_text). The texts are ours, beside
+# each environment (KITCHEN_SKILLS, alfworld_env.ALFWORLD_SKILLS, webshop_env.WEBSHOP_SKILLS); --show-prompts prints
+# a student's and a teacher's first prompt.
 
 FORMAT_INSTRUCTION = (
     "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
@@ -403,11 +414,11 @@ def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Ten
              num_tokens: Optional[float | torch.Tensor] = None):
     """The on-policy distillation loss, a term of its own outside the PPO clip.  (paper: OPD term)
 
-        rho_k  = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
+        w_k    = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
         k3_k   = exp(min(l^T_k - l^theta_k, 20)) - 1 + (l^theta_k - l^T_k)
-        L_OPD  = sum_k mask_k rho_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD  (token_mean)
+        L_OPD  = sum_k mask_k w_k k3_k / num_tokens,   total loss L = L_PPO + lambda L_OPD  (token_mean)
 
-    (B, T) tensors; l^old and l^T are constants. d(rho k3)/dl^theta = rho (l^theta - l^T): the
+    (B, T) tensors; l^old and l^T are constants. d(w k3)/dl^theta = w (l^theta - l^T): the
     reverse-KL policy gradient with an unclipped, importance-weighted per-token advantage
     lambda (l^T - l^theta), pushing the student toward tokens the teacher finds likelier. (The naive
     mean(l^theta - l^T) has zero expected gradient: E_pi[grad log pi] = 0.) Returns (loss, stats).
@@ -438,8 +449,10 @@ def combined_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
 
 
 # ----- the retirement rule: the authors' state machine, as pure pieces and one latched state ------
-# Each phase-2 iteration's K goes into a block of W iterations. At every validation the oldest full
-# block not yet judged is judged against the previous judged one; the first only sets the baselines.
+# Each phase-2 iteration's K goes into a block of W iterations. A validation that finds a full block not
+# yet judged judges it against the block judged before it (the first judged block only sets the
+# baselines): a "judging validation". Since 1 <= eval_every <= W, at most one full block waits at a
+# validation, and it is the newest; a validation with none waiting judges nothing.
 
 
 def alignment_progress(previous_block: Optional[float], block: float, eps: float = 1e-8) -> Optional[float]:
@@ -499,7 +512,7 @@ class Retirement:
     eps: float = 1e-8
     pending: list = field(default_factory=list)  # K of the block being filled
     blocks: list = field(default_factory=list)  # [last iteration, mean K] of each full block
-    judged: int = 0  # blocks judged so far (FIFO)
+    judged: int = 0  # blocks judged so far (all but possibly the newest: eval_every <= W)
     previous_block: Optional[float] = None  # K_{m-1}
     previous_success: Optional[float] = None  # S_{m-1}
     retired: bool = False
@@ -515,7 +528,7 @@ class Retirement:
         return {"gap_block": self.blocks[-1][1]}
 
     def observe_validation(self, iteration: int, success: float) -> dict:
-        """Judge the oldest unjudged full block, if any, with this validation's success."""
+        """A judging validation, if a full block waits (the newest; at most one), with this validation's success."""
         record = {"val_success": success, "progress": None, "competence": None, "criterion_valid": False}
         if self.judged == len(self.blocks):
             return record  # no full block since the last judgement: nothing to judge
@@ -650,7 +663,10 @@ def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = 
     prompts = [s.teacher_prompt_ids if teacher_prompt else s.prompt_ids for s in samples]
     lengths = [len(p) + len(s.response_ids) for p, s in zip(prompts, samples)]
     out: list = [None] * len(samples)
-    for batch in in_lockstep(make_micro_batches(lengths, cfg.token_budget), lambda: idle_pass(model, cfg)):
+    batches = make_micro_batches(lengths, cfg.token_budget)
+    if ddp:  # every rank makes as many forwards (each forward of a sharded model is collective)
+        batches = multigpu.in_lockstep(batches, lambda: multigpu.idle_pass(model, cfg))
+    for batch in batches:
         flat = sequence_logprobs(model, [prompts[i] for i in batch], [samples[i].response_ids for i in batch], cfg)
         for i, logp in zip(batch, flat.split([len(samples[i].response_ids) for i in batch])):
             out[i] = logp.float().cpu()
@@ -672,7 +688,9 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
     meter = UpdateMeter()  # loss and stat sums, token counts, gradient norms (plumbing)
     with_entropy = advantages is not None and cfg.entropy_coef > 0
     model.train()
-    first, response_lengths = global_batch(samples)  # (one process: 0, and these samples' lengths)
+    first, response_lengths = 0, [len(s.response_ids) for s in samples]  # the mini-batches draw from these
+    if ddp:  # from every rank's samples: where this rank's start, and the lengths of all
+        first, response_lengths = multigpu.global_batch(samples)
     for _epoch in range(cfg.ppo_epochs):
         order = list(range(len(response_lengths)))
         rng.shuffle(order)
@@ -681,10 +699,13 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
             num_tokens = sum(response_lengths[i] for i in mini)  # the mini-batch's token count
             denominators = None if cfg.loss_agg == "exact" else dict(zip(mini, micro_batch_denominators(
                 [response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch)))  # --loss-agg authors
-            mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this rank's samples in it
+            mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this process's samples in it
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            for idx in meter.micro_batches(samples, mine, cfg.token_budget, lambda: idle_pass(model, cfg, True)):
+            micro_batches = meter.micro_batches(samples, mine, cfg.token_budget)
+            if ddp:  # every rank makes as many forward/backward passes (each is collective)
+                micro_batches = multigpu.in_lockstep(micro_batches, lambda: multigpu.idle_pass(model, cfg, True))
+            for idx in micro_batches:
                 scored = sequence_logprobs(model, [samples[i].prompt_ids for i in idx],
                                            [samples[i].response_ids for i in idx], cfg, with_entropy=with_entropy)
                 logp, entropy = scored if with_entropy else (scored, None)
@@ -697,11 +718,16 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                     num_tokens=num_tokens if denominators is None else cat(
                         {i: torch.full((len(samples[i].response_ids),), float(denominators[first + i])) for i in idx}))
                 finite = finite and bool(torch.isfinite(loss))
-                (loss * world_size()).backward()  # FSDP averages the ranks' gradients; their sum is wanted
+                if ddp:  # FSDP averages the ranks' gradients; their sum is wanted
+                    (loss * multigpu.world_size()).backward()
+                else:
+                    loss.backward()
                 if finite:
                     meter.add(loss, stats)
-            grad_norm = clipped_grad_norm(model, cfg.grad_clip)
-            if not all_ranks(finite) or not torch.isfinite(grad_norm):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if ddp:  # the norm over every rank's shards; a step only if every rank's loss was finite
+                grad_norm, finite = multigpu.full_tensor(grad_norm), multigpu.all_ranks(finite)
+            if not finite or not torch.isfinite(grad_norm):
                 meter.skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 continue
@@ -731,7 +757,8 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     A teacher in `frozen` (phase 2, until retired) scores the sampled tokens on s_t^T: the gap K and
     the OPD term. grpo_loss=False (--algo opd) trains on lambda * L_OPD alone."""
     teacher = frozen.teacher
-    samples, _, record = rollout(sampling_model(policy), tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
+    sampler = multigpu.sampling_model(policy) if ddp else policy  # ddp: a whole copy of the sharded policy
+    samples, _, record = rollout(sampler, tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
                                  skills_in_prompt=skills_in_prompt, with_teacher_prompts=teacher is not None,
                                  temperature=cfg.temperature, desc=desc)
     if not samples:
@@ -750,7 +777,8 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     if teacher is not None:
         with timed(record, "t_teacher"):
             teacher_logp = response_logprobs(teacher, samples, cfg, teacher_prompt=True)
-        record["gap"], record["gap_k3"] = teacher_student_gap(cat_over_ranks(old_logp), cat_over_ranks(teacher_logp))
+        every_token = multigpu.cat_over_ranks if ddp else torch.cat  # ddp: K over every rank's tokens
+        record["gap"], record["gap_k3"] = teacher_student_gap(every_token(old_logp), every_token(teacher_logp))
     if frozen.reference is not None and kl_coef > 0:
         with timed(record, "t_reference"):
             ref_logp = response_logprobs(frozen.reference, samples, cfg)
@@ -774,7 +802,10 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     device = next(policy.parameters()).device
     optimizer = build_adamw(policy, cfg)
     rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
-    torch.manual_seed(cfg.seed * 1000 + PHASES.index(phase) + 100_000 * rank())  # sampling: per phase and rank
+    sampling_seed = cfg.seed * 1000 + PHASES.index(phase)  # sampling: per phase
+    if ddp:  # and per rank: each plays other episodes
+        sampling_seed += 100_000 * multigpu.rank()
+    torch.manual_seed(sampling_seed)
     # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
     distilling = retirement is not None or frozen.teacher is not None
     mini_batch, kl_coef = phase_protocol(cfg, distilling)
@@ -783,10 +814,12 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     if resume is None and not distilling:  # the starting model, before any update, as the authors' phase-1
         validate(phase, -1, policy, tokenizer, suite, cfg, run, skills_in_prompt)  # and GRPO scripts do
     bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True, initial=first,
-               total=iterations, disable=not main_process())
+               total=iterations, disable=not multigpu.main_process())
     for iteration in bar:
         started = start_measuring(device)
-        tasks = share_of_tasks([rng.choice(suite.train) for _ in range(cfg.batch_tasks)])  # whole groups
+        tasks = [rng.choice(suite.train) for _ in range(cfg.batch_tasks)]
+        if ddp:  # each rank plays its share: whole GRPO groups
+            tasks = multigpu.share_of_tasks(tasks)
         teacher_active = frozen.teacher is not None
         record = {"phase": phase, "iteration": iteration, **train_iteration(
             policy, optimizer, tokenizer, suite, cfg, tasks, skills_in_prompt=skills_in_prompt, frozen=frozen,
@@ -821,7 +854,7 @@ def train_teacher(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> No
     policy, tokenizer, resume = models.policy("teacher")
     _, kl_coef = phase_protocol(cfg, distilling=False)
     frozen = FrozenModels(reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
-    print_memory_estimate(policy, cfg, run, "phase 1", frozen, skill_tokens=1024)
+    run.log_memory_estimate(policy, "phase 1", frozen, skill_tokens=1024)
     validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, skills_in_prompt=True, frozen=frozen,
                               resume=resume)
     teacher_success = teacher_success_rate(validations)
@@ -837,18 +870,18 @@ def train_student(cfg: Config, suite: TaskSuite, run: Run, models: Models, teach
     algorithm = ALGORITHMS[cfg.algo]
     policy, tokenizer, resume = models.policy("student")
     retirement = None
-    if algorithm.opd:
-        mode = "fixed" if cfg.retire_at is not None else (algorithm.retirement or "never")
+    if algorithm.student_opd:
+        mode = "fixed" if cfg.retire_at is not None else (algorithm.student_retirement or "never")
         retirement = Retirement(teacher_success, mode, cfg.window, cfg.alignment_threshold, cfg.rho, cfg.retire_at)
         if resume is not None and resume["retirement"] is not None:  # the rule's whole state, as it was saved
             retirement = Retirement(**resume["retirement"])
-    _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd)
+    _, kl_coef = phase_protocol(cfg, distilling=algorithm.student_opd)
     teacher_needed = retirement is not None and not retirement.retired  # (a resume may find it retired)
     frozen = FrozenModels(teacher=models.teacher(policy, tokenizer) if teacher_needed else None,
                           reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
-    print_memory_estimate(policy, cfg, run, "phase 2", frozen)
+    run.log_memory_estimate(policy, "phase 2", frozen)
     train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
-                grpo_loss=algorithm.grpo, retirement=retirement, resume=resume)
+                grpo_loss=algorithm.student_grpo, retirement=retirement, resume=resume)
     run.log_report("student", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=False,
                                        desc="student report"))
     run.save_student(policy, tokenizer, teacher_success, retirement)
@@ -861,265 +894,19 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
         train_teacher(cfg, suite, run, models)
         gc.collect()  # the teacher is saved; its training copy and optimizer leave memory
     if algorithm.student_phase and "student" not in run.finished_phases():
-        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.opd else None
+        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.student_opd else None
         train_student(cfg, suite, run, models, teacher_success)
 
 
-# ==================================================================================================
-# Everything below is plumbing: it does not change the math. Environments, models, the model calls,
-# several processes (torchrun), the run folder, the command line, memory, the plot, the benchmark, main.
-# ==================================================================================================
+####################################################################################################
+# The method ends here. Below: what one process needs to run it. The episodes and evaluation, the
+# model calls, the environments, loading, the run folder, the command line; none changes the math.
 ####################################################################################################
 
 
 # ==================================================================================================
-# 7. Environments: the kitchen, WebShop, ALFWorld (alfworld_env.py) behind one interface
+# 7. What the method calls: episodes, evaluation, the phase's bookkeeping, the models it holds
 # ==================================================================================================
-# Every environment is driven through one small interface, so the rollout loop does not care which
-# one it plays:  env.reset() -> (observation, info)  and  env.step(action) -> (observation, reward,
-# done, info), where info carries "task", "task_type" (the skill key), "admissible" and "won". The
-# reward slot is the environment's own (ALFWorld 1 on a win, WebShop the purchase score, the kitchen
-# 1 on a win); the training loop reads only `won` (R_i, turn_scores). Every answer steps the environment, a
-# malformed one with what project_action sends (mostly an inadmissible string, which changes nothing).
-
-# ----- The skills: the privileged information of self-OPD, plain data (SPEC: skills) --------------
-# Short strategy notes per task type, written by us. Only the teacher sees them (phase 1 while it
-# trains, phase 2 when it scores the student's tokens).
-
-ALFWORLD_SKILLS = {
-    "general": [
-        "Read the task sentence first: note the object, any required treatment (clean, heat, cool, "
-        "look under a lamp) and the target receptacle.",
-        "Only use commands from the admissible list, copied exactly, including the object numbers.",
-        "Search systematically: visit each likely receptacle once; open closed ones (drawer, cabinet, "
-        "fridge, microwave) before looking inside, and do not revisit places you already checked.",
-        "You can carry one object at a time. Take the object with 'take X from Y' before moving.",
-        "Finish with 'move X to Y' at the target receptacle; the task ends as soon as it is satisfied.",
-    ],
-    "pick_and_place_simple": [
-        "Find the object (countertops, tables, shelves, drawers, cabinets), take it, go to the "
-        "target receptacle, open it if needed, and move the object there.",
-    ],
-    "look_at_obj_in_light": [
-        "Find and take the object first, then find a desklamp or floorlamp (usually on a desk, "
-        "sidetable or dresser), go there and 'use' the lamp while holding the object.",
-    ],
-    "pick_clean_then_place_in_recep": [
-        "Take the object, go to a sinkbasin, 'clean X with sinkbasin N', then carry it to the "
-        "target receptacle and move it there.",
-    ],
-    "pick_heat_then_place_in_recep": [
-        "Take the object, go to the microwave, 'heat X with microwave 1' (no need to open it), then "
-        "carry it to the target receptacle and move it there.",
-    ],
-    "pick_cool_then_place_in_recep": [
-        "Take the object, go to the fridge, 'cool X with fridge 1' (no need to open it), then carry "
-        "it to the target receptacle and move it there.",
-    ],
-    "pick_two_obj_and_place": [
-        "You need two objects of the same kind but can carry one: take the first, put it in the "
-        "target receptacle, then search the places you have not checked for the second one.",
-    ],
-}
-
-
-WEBSHOP_SKILLS = {
-    "general": [
-        "Search with the product type and its two or three most specific attributes; leave out the "
-        "price, quantity words and filler.",
-        "On the results page, open the item whose title matches the product type and most attributes "
-        "and whose price is below the budget; use next > only if none fits.",
-        "On the item page, click every option the instruction names (size, colour, flavour, count), "
-        "choosing the value that matches exactly; options are not shown as selected, so click each once.",
-        "Check the price against the budget, then click buy now. Do not buy a different product type.",
-    ],
-    "beauty": ["Match scent, size in ounces and 'paraben free'/'natural' style claims in the title."],
-    "food": ["Match flavour, pack count and dietary words (gluten free, sugar free, keto) exactly."],
-    "fashion": ["Match the exact size label (large vs x-large, 8 vs 8 wide) and the colour name."],
-    "furniture": ["Match the material, colour and dimensions; a 'set of 2' must say so in the title."],
-    "electronics": ["Match the device it is for, the capacity and the connector type in the title."],
-}
-
-
-# The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, a seasoning and a
-# way to cook it, and nothing in the task says which. The teacher's skills are the kitchen's notes,
-# and like real strategy notes they are incomplete: they name each dish's seasoning, never how to
-# cook it. So the base model with skills wins about 1 dish in 6 (it guesses the way to cook); phase 1's RL
-# has to find the rest (the teacher ends imperfect where it has not yet), and a student without
-# notes must find both by trial (1 in 36 per dish) or learn them from the teacher.
-KITCHEN_INGREDIENTS = ("salt", "sugar", "pepper", "honey", "vinegar", "ginger")
-KITCHEN_METHODS = ("boil", "bake", "fry", "chill", "roast", "steam")
-KITCHEN_RECIPES = {"brask": ("honey", "fry"), "dorl": ("salt", "chill"), "fimble": ("pepper", "bake"),
-                   "grue": ("sugar", "boil"), "nallow": ("vinegar", "roast"), "trisk": ("ginger", "steam")}
-
-
-def kitchen_note(dish: str, ingredient: str) -> str:
-    return f"Recipe for a {dish}: {ingredient.capitalize()} it, then cook it."
-
-
-KITCHEN_SKILLS = {
-    "general": ["First season the dish as its note says, then cook it; a wrong choice ruins the dish. The "
-                "notes do not say how to cook each dish."],
-    **{dish: [kitchen_note(dish, ingredient)] for dish, (ingredient, _) in KITCHEN_RECIPES.items()},
-}
-SKILLS = {"alfworld": ALFWORLD_SKILLS, "webshop": WEBSHOP_SKILLS, "kitchen": KITCHEN_SKILLS}
-
-
-class WebShopAdapter:
-    """One WebShop episode on a shared catalogue (webshop_env.py), in the interface above.
-
-    The prompt shows webshop_env's compact observation (the page after the instruction, each
-    segment quoted) and its admissible actions. Won = the purchase scored exactly 1.0; the
-    reward slot is that score.
-    """
-
-    def __init__(self, shop, goal_index: int):
-        import webshop_env
-        self.env = webshop_env.WebShopEnv(shop)
-        self.goal_index = goal_index
-
-    def _info(self, info: dict, won: bool = False) -> dict:
-        return {"task": self.instruction, "task_type": self.category, "admissible": info["admissible"],
-                "won": won, **{k: info[k] for k in ("score", "valid") if k in info}}
-
-    def reset(self):
-        _, info = self.env.reset(self.goal_index)
-        self.instruction, self.category = info["instruction"], info["category"]
-        return info["compact_obs"], self._info(info)
-
-    def step(self, action: str):
-        _, score, done, info = self.env.step(action)
-        return info["compact_obs"], score, done, self._info(info, bool(info.get("won", False)))
-
-
-def kitchen_dish(task: int, recipes: Optional[dict] = None) -> str:
-    """A kitchen task is `dish index * 1000 + variant`; the variant only shuffles the order of the
-    admissible actions, so that their position says nothing. Training variants 0-99, panels 500 on."""
-    return sorted(recipes or KITCHEN_RECIPES)[task // 1000]
-
-
-class KitchenEnv:
-    """One dish in the kitchen, in the interface above: two decisions, an ingredient ("honey the
-    brask") and a way to cook it ("fry the brask"), then the dish is served: won (reward 1) iff
-    both were right; a wrong one ruins it, which shows only when it is served. An inadmissible
-    command changes nothing. The commands name the dish just before the choice, as ALFWorld's
-    name objects."""
-
-    def __init__(self, task: int, recipes: Optional[dict] = None):
-        self.recipes = recipes or KITCHEN_RECIPES
-        self.task, self.dish = task, kitchen_dish(task, self.recipes)
-
-    def _info(self, won: bool = False) -> dict:
-        return {"task": f"cook a {self.dish}", "task_type": self.dish, "admissible": list(self.admissible),
-                "won": won}
-
-    def _offer(self, actions: list) -> None:
-        self.admissible = list(actions)
-        self.order.shuffle(self.admissible)
-
-    def reset(self):
-        self.seasoning, self.done = None, False
-        self.order = random.Random(self.task)  # the admissible order of this task's two steps
-        self._offer([f"{ingredient} the {self.dish}" for ingredient in KITCHEN_INGREDIENTS])
-        return "You stand at the stove. The pot is empty.", self._info()
-
-    def step(self, action: str):
-        if self.done or action not in self.admissible:
-            return "Nothing happens.", 0.0, self.done, self._info()
-        choice = action.split()[0]
-        if self.seasoning is None:
-            self.seasoning = choice
-            self._offer([f"{m} the {self.dish}" for m in KITCHEN_METHODS])
-            return f"The {self.dish} is seasoned with {choice}.", 0.0, False, self._info()
-        self.done, self.admissible = True, []
-        if (self.seasoning, choice) == self.recipes[self.dish]:
-            return f"The {self.dish} is ready!", 1.0, True, self._info(won=True)
-        return f"The {self.dish} is ruined.", 0.0, True, self._info()
-
-
-KITCHEN_PANEL = (8, 16)  # episodes per dish: validation (48), report (96); one episode moves them 0.02, 0.01
-
-
-class TaskSuite:
-    """The tasks of one benchmark: a training pool, two fixed panels, an episode factory.
-
-    validation_panel: what the retirement rule and S_T read, every --eval-every iterations (the
-    in-distribution split: ALFWorld's 140 valid_seen games; WebShop's first 128 validation
-    goals). report_panel: the full evaluation at the end of each phase (ALFWorld valid_seen +
-    valid_unseen; WebShop all validation goals). ALFWorld tasks are game files, WebShop tasks goal
-    indices (the seed-233 split of webshop_env). --eval-episodes caps both panels.
-    """
-
-    def __init__(self, cfg: Config):
-        self.cfg, self.workers = cfg, None
-        cap = cfg.eval_episodes
-        if cfg.env == "alfworld":
-            root = alfworld_env.alfworld_data_root(cfg.alfworld_data)
-            splits = ("valid_seen", "valid_unseen")
-            if cfg.alfworld_data == "fixtures":  # our own tiny games, written into the run folder
-                root = alfworld_env.write_fixture_alfworld_games(Path(cfg.run_dir) / "alfworld_fixtures")
-                splits = ("valid_seen",)  # the fixtures have no valid_unseen split
-            self.root = root
-            self.train = alfworld_env.discover_alfworld_games(root, "train")
-            self.validation_panel = alfworld_env.alfworld_eval_panel(root, ("valid_seen",), max_episodes=cap)
-            self.report_panel = alfworld_env.alfworld_eval_panel(root, splits, max_episodes=cap)
-            if cfg.env_workers > 0:
-                self.workers = alfworld_env.AlfWorldWorkers(cfg.env_workers)
-        elif cfg.env == "kitchen":
-            dishes = range(len(KITCHEN_RECIPES))
-            self.train = [d * 1000 + v for d in dishes for v in range(100)]
-            self.validation_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[0]) for d in dishes][:cap]
-            self.report_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[1]) for d in dishes][:cap]
-        else:
-            import webshop_env
-            self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
-            self.train = list(self.shop.train_goal_indices)
-            validation_goals = list(self.shop.valid_goal_indices)
-            self.validation_panel = validation_goals[:128][:cap]
-            self.report_panel = validation_goals[:cap]
-
-    def task_type(self, task) -> str:
-        if self.cfg.env == "alfworld":
-            return alfworld_env.alfworld_task_type(task)
-        if self.cfg.env == "kitchen":
-            return kitchen_dish(task)
-        import webshop_env  # WebShop's raw categories (grocery, garden, ...) -> our skill blocks
-        category = self.shop.goals[task]["category"]
-        return webshop_env.SKILL_CATEGORY.get(category, category)
-
-    def new_episode(self, task, slot: int = 0):
-        """A fresh episode of `task`. With --env-workers, `slot` (the rollout passes the task's
-        group) picks the worker process that will own it."""
-        if self.cfg.env == "webshop":
-            return WebShopAdapter(self.shop, task)
-        if self.cfg.env == "kitchen":
-            return KitchenEnv(task)
-        if self.workers is not None:
-            worker = slot % len(self.workers.processes)
-            return alfworld_env.RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
-        return alfworld_env.AlfWorldEnv(task, max_turns=self.cfg.max_turns)
-
-    def close(self):
-        if self.workers is not None:
-            self.workers.close()
-
-
-def success_by_task_type(records):
-    """Success rates from `(task_type, won)` pairs:
-    {task_type: wins/episodes for each type seen, "overall": wins/episodes, "n": episodes}.
-    With no records, overall is 0.0 and n is 0."""
-    wins, counts = defaultdict(int), defaultdict(int)
-    for task_type, won in records:
-        counts[task_type] += 1
-        wins[task_type] += int(bool(won))
-    out = {t: wins[t] / counts[t] for t in sorted(counts)}
-    n = sum(counts.values())
-    out["overall"] = sum(wins.values()) / n if n else 0.0
-    out["n"] = n
-    return out
-
-
-# ----- Episode bookkeeping for the rollout loop (section 4) -----------------------------------------
 
 
 @dataclass
@@ -1205,7 +992,7 @@ class RolloutMeter:
         self.timers = {"t_generate": 0.0, "t_env": 0.0}
         self.generated_tokens = self.generate_steps = self.prompts_truncated = 0
         self.bar = tqdm(total=max_turns, desc=desc, leave=False, dynamic_ncols=True,
-                        disable=not sys.stderr.isatty() or not main_process())
+                        disable=not sys.stderr.isatty() or not multigpu.main_process())
 
     def env(self):
         return timed(self.timers, "t_env")
@@ -1222,12 +1009,12 @@ class RolloutMeter:
     def stats(self, episodes: list, samples: list, cfg: Config) -> dict:
         """Under torchrun: counts over every rank's episodes; times and decode steps the slowest rank's."""
         self.bar.close()
-        won, n, turns, malformed, n_samples, errors, truncated, tokens = sum_over_ranks(
+        won, n, turns, malformed, n_samples, errors, truncated, tokens = multigpu.sum_over_ranks(
             sum(e.won for e in episodes), len(episodes), sum(e.turns for e in episodes),
             sum(s.malformed for s in samples), len(samples), sum(e.error is not None for e in episodes),
             self.prompts_truncated, self.generated_tokens)
-        timers = {key: max_over_ranks(value) for key, value in self.timers.items()}
-        steps = max_over_ranks(self.generate_steps)
+        timers = {key: multigpu.max_over_ranks(value) for key, value in self.timers.items()}
+        steps = multigpu.max_over_ranks(self.generate_steps)
         n = max(n, 1)
         return {"success": won / n, "reward": cfg.success_reward * won / n, "turns": turns / n,
                 "malformed_frac": malformed / max(n_samples, 1), "env_errors": errors,
@@ -1244,17 +1031,17 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
     forked RNG so that evaluating does not change the training run's random stream.
     """
     device = next(model.parameters()).device
-    model, chunk = sampling_model(model), cfg.batch_tasks * cfg.group_size
+    model, chunk = multigpu.sampling_model(model), cfg.batch_tasks * cfg.group_size
     records = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + 12345)
         for start in range(0, len(tasks), chunk):  # under torchrun: this rank's share of each (maybe none)
-            batch = tasks[start:start + chunk][rank()::world_size()]
+            batch = tasks[start:start + chunk][multigpu.rank()::multigpu.world_size()]
             _, episodes, _ = rollout(model, tokenizer, suite, batch, cfg, group_size=1,
                                      skills_in_prompt=skills, with_teacher_prompts=False,
                                      temperature=cfg.eval_temperature, desc=desc)
             records += [(e.task_type or suite.task_type(task), e.won, e.error) for e, task in zip(episodes, batch)]
-    records = [record for part in gather_objects(records) for record in part]
+    records = [record for part in multigpu.gather_objects(records) for record in part]
     played = [(task_type, won) for task_type, won, error in records if error is None or not error.startswith("reset")]
     if records and not played:  # every game of the panel is broken: its "0.0" would be read as a result
         raise SystemExit(f"retireopd: every episode of the {desc} ({len(records)} tasks) failed to start, the first "
@@ -1263,360 +1050,169 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
             "seed": cfg.seed + 12345, "temperature": cfg.eval_temperature}
 
 
-# ==================================================================================================
-# 8. Models: Qwen2.5 checkpoints, random: shapes, the offline tiny model and its warm start
-# ==================================================================================================
+def success_by_task_type(records):
+    """Success rates from `(task_type, won)` pairs:
+    {task_type: wins/episodes for each type seen, "overall": wins/episodes, "n": episodes}.
+    With no records, overall is 0.0 and n is 0."""
+    wins, counts = defaultdict(int), defaultdict(int)
+    for task_type, won in records:
+        counts[task_type] += 1
+        wins[task_type] += int(bool(won))
+    out = {t: wins[t] / counts[t] for t in sorted(counts)}
+    n = sum(counts.values())
+    out["overall"] = sum(wins.values()) / n if n else 0.0
+    out["n"] = n
+    return out
 
 
-MODEL_ALIASES = {
-    "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
-    "Qwen2.5-3B": "Qwen/Qwen2.5-3B-Instruct",
-    "Qwen2.5-7B": "Qwen/Qwen2.5-7B-Instruct",
-}
+def phase_iterations(cfg: Config, phase: str) -> int:
+    return (cfg.teacher_iterations or cfg.iterations) if phase == "teacher" else cfg.iterations
 
 
-# Architectures of the Qwen2.5-Instruct checkpoints (their config.json), for `random:` shapes.
-QWEN25_SHAPES = {
-    "Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True),
-    "Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
-                       tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       tie_word_embeddings=False),
-}
+def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
+    """Every eval_every iterations (1-based: 5, 10, ...), and at the phase's last iteration."""
+    return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == iterations
 
 
-# a small shape with the real 151,936-token vocabulary: the log-prob memory problem at CPU size
-QWEN25_SHAPES["small-vocab151k"] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         vocab_size=151936, tie_word_embeddings=True)
+def validate(phase: str, iteration: int, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run,
+             skills: bool) -> dict:
+    """A validation on the fixed panel, logged to eval.jsonl (iteration -1: before the phase's first
+    update). With skills (phase 1, the teacher) it is played twice, as the authors do: with skills
+    (what S_T reads) and without. Returns {"val_success": ...} (and "val_success_no_skills")."""
+    out = {}
+    for with_skills in (True, False) if skills else (False,):
+        result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=with_skills,
+                          desc=f"{phase} validation" + ("" if with_skills == skills else " (no skills)"))
+        run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation",
+                               **({"before_training": True} if iteration < 0 else {}), **result})
+        out["val_success" if with_skills == skills else "val_success_no_skills"] = result["overall"]
+    if iteration < 0:
+        tqdm.write(f"[retireopd] {phase} before training: validation {out['val_success']:.2f}"
+                   + (f" with skills, {out['val_success_no_skills']:.2f} without" if skills else ""))
+    return out
 
 
-# two layers of 16 small heads: reading a skill block (finding the one capitalised ingredient among
-# ~130 tokens) was learned within the warm start by this shape, not by 4 layers of 4 heads (measured)
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=16,
-                  num_key_value_heads=16, tie_word_embeddings=True)
-
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-# A randomly initialised model cannot write `<think>...</think><action>...</action>` nor read a
-# skill block, and RL cannot find either from scratch in CPU minutes. --warm-start N teaches, by
-# behaviour cloning on kitchen prompts, what a pretrained LLM brings to the kitchen: the answer
-# format; reading the *first* step (the ingredient) of a recipe in a skill block (short prompts and
-# full teacher prompts, random recipes); the recipes of twelve dishes it "knows" (invented ones);
-# and, for dishes it has never heard of, guessing (random targets). The demo's six dishes appear
-# only with random recipes (in reading examples and as unknown dishes), so the warm-started model
-# knows none of their recipes: without skills it is at chance (1/36 per dish), and with skills it
-# reads the ingredient but guesses the way to cook it (1/6). Everything above that is learned by
-# RL (the teacher finding each way to cook in phase 1) and by RL and OPD (the student).
-WARM_START_DISHES = ("brindle", "clomp", "drubble", "fennick", "gorse", "hoplin", "jibber", "krell",
-                     "lummox", "nubbin", "pordle", "quorn")
-
-
-_known = random.Random(12345)  # the recipes the warm-started model "knows": other dishes than the demo's
-
-
-WARM_START_UNKNOWN = ("arbel", "bosk", "cwill", "dimp", "eskar", "flon", "gwint", "harl", "irple",
-                      "jusk", "kemp", "loam")
-
-
-def balanced(choices: tuple, n: int, rng: random.Random) -> list:
-    """n picks from choices, each as often as n allows (shuffled): a base model that knows recipes
-    of these dishes favours no seasoning and no way to cook on a dish it does not know."""
-    picks = [choices[k % len(choices)] for k in range(n)]
-    rng.shuffle(picks)
-    return picks
-
-
-WARM_START_RECIPES = dict(zip(WARM_START_DISHES, zip(balanced(KITCHEN_INGREDIENTS, len(WARM_START_DISHES), _known),
-                                                      balanced(KITCHEN_METHODS, len(WARM_START_DISHES), _known))))
-
-
-WARM_START_ANSWER = "<think>the next step</think><action>{}</action>"
-
-
-def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
-    """(user message, answer) of one warm-start example.
-
-    kind "short": a random note (kitchen_note: the seasoning) and the first step's admissible
-    actions; "skills": the full teacher prompt with a random note, at the first step (reading). "known": a full prompt
-    without skills for one of WARM_START_DISHES, answered by its fixed recipe, at either step;
-    "unknown": the same for an unknown dish or one of the demo's, answered by a random step
-    (nothing to know: the model stays uncertain there, and so explores).
-    """
-    if kind == "known":  # a dish the model knows, with its known recipe
-        dish = rng.choice(WARM_START_DISHES)
-        ingredient, method = WARM_START_RECIPES[dish]
-    elif kind == "unknown":  # a dish it has never heard of, the demo's among them: it guesses
-        dish = rng.choice(WARM_START_UNKNOWN + tuple(KITCHEN_RECIPES))
-        ingredient, method = rng.choice(KITCHEN_INGREDIENTS), rng.choice(KITCHEN_METHODS)
-    else:  # reading: a random recipe for any dish, the demo's included (it says nothing of theirs)
-        dish = rng.choice(WARM_START_DISHES + tuple(KITCHEN_RECIPES))
-        ingredient, method = rng.choice(KITCHEN_INGREDIENTS), rng.choice(KITCHEN_METHODS)
-    recipes = {dish: (ingredient, method)}
-    episode = KitchenEnv(rng.randrange(1000), recipes)  # dish index 0: the invented dish
-    observation, info = episode.reset()
-    history, right = [], f"{ingredient} the {dish}"
-    if kind not in ("short", "skills") and rng.random() < 0.5:  # the second step (reading: first only)
-        history = [(observation, right)]
-        observation, _, _, info = episode.step(right)
-        right = f"{method} the {dish}"
-    recipe = "- " + kitchen_note(dish, ingredient)
-    if kind == "short":
-        message = recipe + "\n\nAdmissible actions: " + ", ".join(f"'{a}'" for a in info["admissible"])
-    else:
-        skills = f"Skills for this task:\n- {KITCHEN_SKILLS['general'][0]}\n{recipe}" if kind == "skills" else ""
-        message = build_user_message("kitchen", info["task"], len(history), history, observation,
-                                     info["admissible"], skills)
-    return message, WARM_START_ANSWER.format(right)
-
-
-def warm_start(model, tokenizer, steps: int, seed: int, batch: int = 32, lr: float = 3e-3) -> dict:
-    """Behaviour cloning of `steps` AdamW steps on warm_start_example answers (token mean of
-    -log p over the answer tokens). Deterministic per seed. Returns the first and last losses."""
-    rng = random.Random(seed)
-    cfg = Config(model="tiny", env="kitchen", token_budget=1 << 30)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    model.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step in tqdm(range(steps), desc="warm start", leave=False, disable=not sys.stderr.isatty()):
-            examples = [warm_start_example(rng, rng.choice(("short", "skills", "known", "unknown")))
-                        for _ in range(batch)]
-            prompts = [encode_prompt(tokenizer, message) for message, _ in examples]
-            answers = [tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-                       for _, answer in examples]
-            loss = -sequence_logprobs(model, prompts, answers, cfg).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(float(loss.detach()))
-    return {"steps": steps, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
-
-
-def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
-    """The offline demo's base model, RUN_DIR/tiny_base: the tiny model after `steps` warm-start
-    steps, built once per run folder (a resume, or a folder that already has it, reuses it). Seed 0
-    whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
-    folder = run.dir / "tiny_base"
-    if main_process() and not (folder / "retireopd.json").is_file():
-        model, tok = load_policy("tiny", device, torch.float32, seed=0)
-        one_thread_if_small(model, device)
-        report = warm_start(model, tok, steps, seed=0)
-        print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
-              f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
-              f"{report['last_loss']:.3f}")
-        run.save_model(model, tok, "tiny_base", {"warm_start": report})
-    barrier()  # the other ranks load it from there
-    return str(folder)
-
-
-def build_tiny_tokenizer(vocab_size: int = 1024):
-    """A Qwen2 tokenizer (byte-level BPE, Qwen's pre-tokenizer, ChatML) with a vocabulary trained
-    in code on our own prompt text: deterministic, no download, and it saves and reloads as the
-    same Qwen2Tokenizer. Byte-level: any text round-trips, CJK included.
-    """
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-    corpus = [*ENV_INTRO.values(), FORMAT_INSTRUCTION, "<think></think><action></action> search[ click[ ] [SEP]"]
-    for skills in SKILLS.values():
-        corpus += [rule for rules in skills.values() for rule in rules]
-    rng = random.Random(0)  # kitchen prompts and answers, so that their words are single tokens
-    corpus += [text for _ in range(60) for text in warm_start_example(rng, "skills")]
-    corpus += 20 * [f"cook a {dish}" for dish in KITCHEN_RECIPES] + 20 * ["<|im_start|>user\n", "assistant"]
-    corpus += 20 * [": " + ", ".join(word.capitalize() for word in KITCHEN_INGREDIENTS + KITCHEN_METHODS)]
-    corpus += ["The pot holds salt. The grue is ruined. The dorl is ready! Nothing happens."]
-    corpus += ["You arrive at countertop 1. On the countertop 1, you see a apple 1, a mug 2.",
-               "Nothing happens. go to take from move to open close clean heat cool use examine "
-               "inventory look Your task is to: put a clean cloth in cabinet.",
-               "Back to Search Next > < Prev Buy Now Description Features Reviews Attributes "
-               "Instruction: i need a pack of 2 navy blue x-large shirts, and price lower than 40.00 dollars"]
-    trainer_model = Tokenizer(models.BPE())
-    trainer_model.normalizer = normalizers.NFC()  # the same pipeline as Qwen2Tokenizer's
-    trainer_model.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    trainer_model.train_from_iterator(corpus * 4, trainer)
-    learned = json.loads(trainer_model.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
-    tokenizer = transformers.Qwen2Tokenizer(vocab=learned["vocab"], merges=merges, eos_token="<|im_end|>",
-                                            pad_token="<|endoftext|>", unk_token=None)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer
-
-
-def resolve_model_name(name: str) -> str:
-    """Alias -> hub id; `random:<alias>` and `tiny` are handled by load_policy."""
-    return MODEL_ALIASES.get(name, name)
-
-
-HUB_TIMEOUT_S = 5  # the one question asked of the hub before loading: answered or given up quickly, no retries
-
-
-OFFLINE_MODELS = "tiny or random:<alias> (no download needed)"
-
-
-def hub_model_cached(repo_id: str) -> bool:
-    """Whether the Hugging Face cache holds repo_id's config and weights (loadable without network)."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
+@contextlib.contextmanager
+def timed(record: dict, key: str):
+    """Add the seconds the block took to record[key] (the per-stage times of metrics.jsonl)."""
+    start = time.perf_counter()
     try:
-        cached = [isinstance(try_to_load_from_cache(repo_id, name), str)
-                  for name in ("config.json", "model.safetensors", "model.safetensors.index.json")]
-    except HFValidationError:  # not a hub id at all
-        return False
-    return cached[0] and (cached[1] or cached[2])
+        yield
+    finally:
+        record[key] = record.get(key, 0.0) + time.perf_counter() - start
 
 
-@functools.lru_cache(maxsize=None)
-def hub_answer(repo_id: str) -> str:
-    """What the Hugging Face hub says about repo_id, asked once per process with a short timeout and
-    no retries: "found", "missing", "offline" (HF_HUB_OFFLINE is set) or "unreachable: <why>"."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return "offline"
-    try:
-        huggingface_hub.HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
-    except RepositoryNotFoundError:  # (also a private or gated one without the right login)
-        return "missing"
-    except HfHubHTTPError:  # another answer (a server error, a mirror without this API): loading will tell
-        return "found"
-    except Exception as error:  # no network, no name resolution, a refused or timed-out connection, a proxy
-        return "unreachable: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return "found"
+def start_measuring(device: torch.device) -> float:
+    """An iteration starts: reset the peak-memory counter; returns the start time."""
+    reset_peak_memory(device)
+    return time.perf_counter()
 
 
-def model_source_problem(name: str) -> Optional[str]:
-    """Why --model `name` cannot be loaded, in one line that says what to do, or None. Decided in
-    seconds and before anything is written: a local folder must hold a config.json, a hub id must
-    be in the Hugging Face cache or known to the hub (asked once, HUB_TIMEOUT_S). With network
-    nothing else changes: from_pretrained downloads as usual."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-    if name == "tiny" or name.startswith("random:"):
-        return None
-    source = resolve_model_name(name)
-    folder = Path(source).expanduser()
-    if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            return (f"--model {name}: {folder} has no config.json, so it is not a Hugging Face model folder (a run's "
-                    "teacher/ or student/ is one)")
-        if not any(folder.glob("*.safetensors")):
-            return (f"--model {name}: {folder} has no .safetensors weights (we load no pickled .bin weights: a "
-                    "pickle can run code); convert them, or pass another folder")
-        return None if (problem := saved_model_problem(folder)) is None else f"--model {name}: {folder}: {problem}"
-    if folder.exists():
-        return f"--model {name}: {folder} is a file; pass the folder that holds the model and its config.json"
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:  # written as a path, not as org/name
-        return (f"--model {name}: no such folder; pass a folder that holds a Hugging Face model (config.json), "
-                f"a hub id (org/name), or use {OFFLINE_MODELS}")
-    try:
-        validate_repo_id(source)
-    except HFValidationError:
-        return f"--model {name}: neither a local folder nor a hub id (org/name); or use {OFFLINE_MODELS}"
-    if hub_model_cached(source):
-        return None
-    answer, cache = hub_answer(source), constants.HF_HUB_CACHE
-    if answer == "missing":
-        return (f"--model {name}: no local folder {source} and no model {source} on the Hugging Face hub: check "
-                f"the name (org/name) or the folder's path (a private or gated model needs `hf auth login`)")
-    if answer == "offline":
-        return (f"--model {name}: {source} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
-                f"download it once with network, pass a local model folder, or use {OFFLINE_MODELS}")
-    if answer.startswith("unreachable"):
-        return (f"--model {name}: cannot reach the Hugging Face hub at {constants.ENDPOINT} ({answer[13:]}) and "
-                f"{source} is not in its cache ({cache}): connect to the network, pass a local model folder, or use "
-                f"{OFFLINE_MODELS}; HF_HUB_OFFLINE=1 loads cached models without asking the hub")
-    return None
+def restore_phase(resume: dict, policy, optimizer, rng: random.Random, device: torch.device) -> tuple[list, int]:
+    """Continue a phase from a checkpoint's trainer state: AdamW's moments, the task-sampling and
+    sampling RNGs. Returns (validation successes so far, the first iteration to run)."""
+    multigpu.load_optimizer_state(policy, optimizer, resume.pop("optimizer"))  # pop: no second copy of the moments
+    rng.setstate(resume["python_rng"])
+    set_rng_state(resume["rng"], device)
+    return list(resume["val_successes"]), resume["iteration"] + 1
 
 
-def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """(model, tokenizer) for a hub id, local folder, alias, `random:<alias>` or `tiny`.
-
-    The model's own generation config is replaced by a blank one: Qwen2.5-Instruct ships
-    top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05, and RL needs samples from the
-    full distribution (log-probs of the policy we actually train). rollout() passes its settings
-    explicitly as well.
-    """
-    if name == "tiny" or name.startswith("random:"):
-        tokenizer = build_tiny_tokenizer()
-        shape = TINY_SHAPE if name == "tiny" else QWEN25_SHAPES[name.split(":", 1)[1]]
-        shape = {"vocab_size": len(tokenizer), **shape}
-        config = transformers.Qwen2Config(max_position_embeddings=32768, rope_theta=1e6,
-                                          rms_norm_eps=1e-6, bos_token_id=None,
-                                          eos_token_id=tokenizer.eos_token_id,
-                                          pad_token_id=tokenizer.pad_token_id, **shape)
-        with torch.random.fork_rng(devices=[]):  # same seed -> same weights; the global RNG is untouched
-            torch.manual_seed(seed)
-            model = transformers.Qwen2ForCausalLM(config).to(dtype)
-    else:
-        path = resolve_model_name(name)
-        # a cached hub model while the hub cannot be reached: straight from the cache (asking the hub
-        # first would retry for minutes)
-        cached_only = (not Path(path).is_dir() and hub_model_cached(path)
-                       and hub_answer(path).startswith("unreachable"))
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
-                                                                      use_safetensors=True)  # never a pickle
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as error:
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-            raise SystemExit(f"retireopd: {name} does not load as a model and tokenizer ({type(error).__name__}: "
-                             f"{reason})") from None
-    if bad := non_finite_tensors(model.parameters()):
-        raise SystemExit(f"retireopd: {name}: {bad} of the model's weight tensors hold NaN or infinite values: "
-                         "not a usable model")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"  # generation continues at the right edge of every prompt
-    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-    model.generation_config = transformers.GenerationConfig(eos_token_id=eos,
-                                                            pad_token_id=tokenizer.pad_token_id)
-    return model.to(device), tokenizer
+def progress_postfix(record: dict, val_successes: list, retirement: Optional[Retirement]) -> dict:
+    postfix = {"success": f"{record['success']:.2f}"}
+    if "gap" in record:
+        postfix["K"] = f"{record['gap']:.4f}"
+    if val_successes:
+        postfix["val"] = f"{val_successes[-1]:.2f}"
+    if retirement is not None:
+        postfix["retired"] = retirement.retired
+    return postfix
 
 
-def eos_token_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+def recorded_teacher_success(cfg: Config, teacher_dir: Path) -> float:
+    """S_T for phase 2: recorded beside the teacher at the end of phase 1, or --teacher-success.
+    S_T = 0 stops the run here for the adaptive rule: its competence test cannot be judged."""
+    if problem := checks.teacher_folder_problem(teacher_dir, cfg.env):  # (damaged since the run started)
+        raise SystemExit(f"retireopd: {problem}")
+    stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
+    teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
+    print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
+          + (f" (--teacher-success; recorded {stored:.3f})" if cfg.teacher_success is not None else
+             " (mean of its last two validations)"))
+    if teacher_success <= 0 and ALGORITHMS[cfg.algo].student_retirement == "adaptive" and cfg.retire_at is None:
+        raise SystemExit(f"retireopd: S_T = 0 (the teacher in {teacher_dir} never won a validation task), "
+                         "so the competence test cannot be judged: set --teacher-success S, or retire on a "
+                         "fixed schedule with --retire-at N")
+    return teacher_success
 
 
-SMALL_MODEL_PARAMS = 20_000_000
+@dataclass
+class FrozenModels:
+    """The frozen models a phase scores with: the teacher (phase 2, until it retires) and the base
+    model as the KL reference (when its coefficient is > 0). This object holds their only
+    references, so `release_teacher` frees the teacher's memory for good."""
+    teacher: Optional[torch.nn.Module] = None
+    reference: Optional[torch.nn.Module] = None
+
+    def release_teacher(self) -> None:
+        self.teacher = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-def one_thread_if_small(model, device: torch.device) -> None:
-    """On a CPU, a model below SMALL_MODEL_PARAMS runs on one torch thread: its matrices are too
-    small to gain from threads, and on a busy 2-core machine two threads were measured 4-20x
-    slower for the tiny model (spinning threads of competing processes). Bigger models keep
-    torch's default (set OMP_NUM_THREADS to choose)."""
-    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
-        torch.set_num_threads(1)
+class Models:
+    """Where a run's models come from: the base model (for the tiny demo, its warm-started copy,
+    built once per run folder), a policy to train (the base model, or the checkpoint's when a
+    resume continues that phase), and frozen copies for scoring (the teacher, the KL reference)."""
 
+    def __init__(self, cfg: Config, run: Run, device: torch.device, checkpoint: Optional[Path] = None,
+                 state: Optional[dict] = None):
+        self.cfg, self.device, self.checkpoint, self.state = cfg, device, checkpoint, state
+        self.base = cfg.model  # what both phases start from, and the KL reference
+        if cfg.model == "tiny" and cfg.warm_start > 0:
+            import tiny  # the models built in code
+            self.base = tiny.warm_started_tiny_base(run, device, cfg.warm_start)
+        self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
+        if self.teacher_dir.is_dir() and (problem := checks.teacher_folder_problem(self.teacher_dir, cfg.env)):
+            raise SystemExit(f"retireopd: {problem}")  # a resume's own teacher/, from another environment
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    def teacher_saved(self) -> bool:
+        return (self.teacher_dir / "retireopd.json").is_file()
+
+    def policy(self, phase: str):
+        """(model, tokenizer, the checkpoint's trainer state if this phase resumes, else None)."""
+        resuming = self.state is not None and self.state["phase"] == phase
+        model, tokenizer = load_policy(str(self.checkpoint) if resuming else self.base, self.device, torch.float32,
+                                       self.cfg.seed)
+        one_thread_if_small(model, self.device)
+        if self.cfg.gradient_checkpointing and self.device.type == "cuda":
+            model.activation_checkpointing_enable()
+        if ddp:  # FSDP2: each rank holds a shard
+            multigpu.shard(model, self.device)
+        resume, self.state = (self.state if resuming else None), None  # handed over: held once
+        return model, tokenizer, resume
+
+    def teacher(self, student, tokenizer) -> torch.nn.Module:
+        """The frozen teacher, once it is checked to score the student's tokens (teacher_fit_problem)."""
+        teacher = self.frozen_copy(self.teacher_dir)
+        if problem := checks.teacher_fit_problem(teacher, self.teacher_dir, student, tokenizer):
+            raise SystemExit(f"retireopd: {problem}: a teacher must be trained from the student's base model "
+                             f"(--model {self.cfg.model}), as phase 1 does")
+        return teacher
+
+    def frozen_copy(self, name) -> torch.nn.Module:
+        """A frozen copy for scoring only (--frozen-dtype): the teacher, or the base model as reference."""
+        dtype = torch.bfloat16 if self.cfg.frozen_dtype == "bfloat16" else torch.float32
+        model, _ = load_policy(str(name), self.device, dtype, self.cfg.seed)
+        model.requires_grad_(False).eval()
+        return multigpu.shard(model, self.device) if ddp else model
 
 
 # ==================================================================================================
-# 9. Model calls: sampling, scoring, and what keeps them fast and small (bf16, prefill, AdamW)
+# 8. Model calls: sampling, scoring, and what keeps them fast and small (bf16, prefill, AdamW)
 # ==================================================================================================
+
+
 # The model calls of the rollout (generate) and of the update (sequence_logprobs), and what keeps
 # them fast and small on one GPU.
 
@@ -1686,9 +1282,9 @@ def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
         cols += range(len(prompt) - 1, len(sequence) - 1)  # position t predicts token t+1
         targets += response
     picked = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    forward = model.score_tokens if sharded(model) else functools.partial(score_tokens, model)
+    forward = model.score_tokens if multigpu.sharded(model) else functools.partial(score_tokens, model)
     scored = forward(input_ids, picked, torch.tensor(targets, device=device), cfg.logprob_chunk, with_entropy)
-    if sharded(model) and not torch.is_grad_enabled():  # no backward follows: FSDP would keep the root's
+    if multigpu.sharded(model) and not torch.is_grad_enabled():  # no backward follows: FSDP would keep the root's
         model.reshard()  # weights gathered, and a later training step reduced wrong gradients for them
     return scored
 
@@ -1708,7 +1304,7 @@ def autocast(device: torch.device):
     """bf16 compute on GPU over fp32 master weights (README: Precision); plain fp32 on CPU. Under
     torchrun its cache of bf16 weight casts is off: it would keep every gathered layer's cast."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=world_size() == 1)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not ddp)
     return contextlib.nullcontext()
 
 
@@ -1829,7 +1425,7 @@ def sample_logp_gap(samples: list, old_logp: list) -> dict:
     log-prob (a scripted generate) are left out; no key at all when none has one.
     """
     pairs = [(s.sample_logp, old) for s, old in zip(samples, old_logp) if s.sample_logp is not None]
-    gap = cat_over_ranks([(sampled - old).abs() for sampled, old in pairs])
+    gap = multigpu.cat_over_ranks([(sampled - old).abs() for sampled, old in pairs])
     if not len(gap):
         return {}
     return {"sample_logp_gap_mean": float(gap.mean()), "sample_logp_gap_max": float(gap.max())}
@@ -1852,7 +1448,7 @@ def stop_if_weights_not_finite(model, optimizer) -> None:
     """After an optimizer step: weights that hold a NaN or an infinity end the run, in one line (every
     rank stops). The step cannot be undone, and the weights are not saved (the last checkpoint holds
     those before it)."""
-    if all_ranks(non_finite_tensors(model.parameters()) == 0):
+    if multigpu.all_ranks(non_finite_tensors(model.parameters()) == 0):
         return
     lr = optimizer.param_groups[0]["lr"]
     raise SystemExit(f"retireopd: optimizer step {optimizer_steps_taken(optimizer)} (lr {lr:g}) left the weights with "
@@ -1878,13 +1474,14 @@ class UpdateMeter:
         self.totals, self.grad_norms = {}, []
         self.steps = self.skipped = self.trained_tokens = self.padded_tokens = 0
 
-    def micro_batches(self, samples: list, mini: list, token_budget: int, idle_pass):
-        """The micro-batches of this rank's part `mini` of a mini-batch, in lockstep with the other ranks."""
+    def micro_batches(self, samples: list, mini: list, token_budget: int) -> list:
+        """The micro-batches of this process's part `mini` of a mini-batch (lists of sample indices)."""
         lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mini]
-        for micro in in_lockstep(make_micro_batches(lengths, token_budget), idle_pass):
+        micro_batches = make_micro_batches(lengths, token_budget)
+        for micro in micro_batches:
             self.padded_tokens += len(micro) * max(lengths[j] for j in micro)
             self.trained_tokens += sum(lengths[j] for j in micro)
-            yield [mini[j] for j in micro]
+        return [[mini[j] for j in micro] for micro in micro_batches]
 
     def add(self, loss: torch.Tensor, stats: dict) -> None:
         for key, value in {**stats, "loss": float(loss.detach())}.items():
@@ -1898,10 +1495,10 @@ class UpdateMeter:
         """Under torchrun the terms and token counts are summed over the ranks: each rank's terms are
         its part of the global token-mean. Steps and gradient norms are the same on every rank."""
         totals = defaultdict(float)  # (by key: a rank whose every loss was skipped as non-finite has none)
-        for part in gather_objects(self.totals):
+        for part in multigpu.gather_objects(self.totals):
             for key, value in part.items():
                 totals[key] += value
-        trained, padded = sum_over_ranks(self.trained_tokens, self.padded_tokens)
+        trained, padded = multigpu.sum_over_ranks(self.trained_tokens, self.padded_tokens)
         n = max(self.steps + self.skipped, 1)
         return {**{key: value / n for key, value in totals.items()}, "optimizer_steps": self.steps,
                 "skipped_steps": self.skipped, "trained_tokens": trained,
@@ -1926,237 +1523,235 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state, device: torch.device) -> None:
     """state: rng_state's, or (under torchrun) one per rank, in rank order."""
-    state = state[rank()] if isinstance(state, list) else state
+    state = state[multigpu.rank()] if isinstance(state, list) else state
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # ==================================================================================================
-# 10. Several processes (torchrun): one process group, FSDP2 shards, what is gathered
+# 9. Environments: the kitchen, WebShop (webshop_env.py), ALFWorld (alfworld_env.py) behind one interface
 # ==================================================================================================
-# `torchrun --nproc_per_node N retireopd.py ...` runs the same script in N processes, one GPU each
-# (gloo on CPU). Every rank plays its share of the B tasks, whole GRPO groups, so the advantages
-# need nothing from another rank; the policy, the teacher and the reference are sharded with
-# FSDP2 (fully_shard); each optimizer step is one update over the global mini-batch; rank 0 alone
-# writes the run folder and prints. With one process none of this runs: world_size() is 1 and
-# every helper below returns its input.
+# Every environment is driven through one small interface, so the rollout loop does not care which
+# one it plays:  env.reset() -> (observation, info)  and  env.step(action) -> (observation, reward,
+# done, info), where info carries "task", "task_type" (the skill key), "admissible" and "won". The
+# reward slot is the environment's own (ALFWorld 1 on a win, WebShop the purchase score, the kitchen
+# 1 on a win); the training loop reads only `won` (R_i, turn_scores). Every answer steps the environment, a
+# malformed one with what project_action sends (mostly an inadmissible string, which changes nothing).
+# The skills, the privileged information of self-OPD, are plain data beside each environment: short
+# strategy notes per task type, written by us, that only the teacher sees.
+
+# The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, a seasoning and a
+# way to cook it, and nothing in the task says which. The teacher's skills are the kitchen's notes,
+# and like real strategy notes they are incomplete: they name each dish's seasoning, never how to
+# cook it. So the base model with skills wins about 1 dish in 6 (it guesses the way to cook); phase 1's RL
+# has to find the rest (the teacher ends imperfect where it has not yet), and a student without
+# notes must find both by trial (1 in 36 per dish) or learn them from the teacher.
+KITCHEN_INGREDIENTS = ("salt", "sugar", "pepper", "honey", "vinegar", "ginger")
+KITCHEN_METHODS = ("boil", "bake", "fry", "chill", "roast", "steam")
+KITCHEN_RECIPES = {"brask": ("honey", "fry"), "dorl": ("salt", "chill"), "fimble": ("pepper", "bake"),
+                   "grue": ("sugar", "boil"), "nallow": ("vinegar", "roast"), "trisk": ("ginger", "steam")}
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun (read before the group exists, too)
+def kitchen_note(dish: str, ingredient: str) -> str:
+    return f"Recipe for a {dish}: {ingredient.capitalize()} it, then cook it."
 
 
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+KITCHEN_SKILLS = {
+    "general": ["First season the dish as its note says, then cook it; a wrong choice ruins the dish. The "
+                "notes do not say how to cook each dish."],
+    **{dish: [kitchen_note(dish, ingredient)] for dish, (ingredient, _) in KITCHEN_RECIPES.items()},
+}
 
 
-def main_process() -> bool:
-    """Rank 0: the one process that writes the run folder and prints."""
-    return rank() == 0
+SKILLS = {"alfworld": alfworld_env.ALFWORLD_SKILLS, "webshop": webshop_env.WEBSHOP_SKILLS, "kitchen": KITCHEN_SKILLS}
 
 
-def start_processes(cfg: Config) -> torch.device:
-    """The training device; under torchrun also the process group (NCCL on GPUs, gloo on CPU), each
-    rank on its own GPU, the other ranks' prints silenced, and rank 0's --run-dir on every rank."""
-    device = pick_device(cfg.device)
-    if world_size() == 1:
-        return device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    # rank 0 alone writes a checkpoint (at 7B about 90 GB) while the others wait in the next collective:
-    # a generous timeout, beyond NCCL's default 10 minutes
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                         timeout=timedelta(hours=2))
-    if not main_process():
-        sys.stdout = open(os.devnull, "w")  # one voice: rank 0's (errors still reach stderr)
-    cfg.run_dir = broadcast(cfg.run_dir)  # the default folder is named by the time: rank 0's
-    return device
+def kitchen_dish(task: int, recipes: Optional[dict] = None) -> str:
+    """A kitchen task is `dish index * 1000 + variant`; the variant only shuffles the order of the
+    admissible actions, so that their position says nothing. Training variants 0-99, panels 500 on."""
+    return sorted(recipes or KITCHEN_RECIPES)[task // 1000]
 
 
-def stop_processes() -> None:
-    if world_size() > 1 and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no rank tears its connections down while another still uses them
-        torch.distributed.destroy_process_group()
+class KitchenEnv:
+    """One dish in the kitchen, in the interface above: two decisions, an ingredient ("honey the
+    brask") and a way to cook it ("fry the brask"), then the dish is served: won (reward 1) iff
+    both were right; a wrong one ruins it, which shows only when it is served. An inadmissible
+    command changes nothing. The commands name the dish just before the choice, as ALFWorld's
+    name objects."""
+
+    def __init__(self, task: int, recipes: Optional[dict] = None):
+        self.recipes = recipes or KITCHEN_RECIPES
+        self.task, self.dish = task, kitchen_dish(task, self.recipes)
+
+    def _info(self, won: bool = False) -> dict:
+        return {"task": f"cook a {self.dish}", "task_type": self.dish, "admissible": list(self.admissible),
+                "won": won}
+
+    def _offer(self, actions: list) -> None:
+        self.admissible = list(actions)
+        self.order.shuffle(self.admissible)
+
+    def reset(self):
+        self.seasoning, self.done = None, False
+        self.order = random.Random(self.task)  # the admissible order of this task's two steps
+        self._offer([f"{ingredient} the {self.dish}" for ingredient in KITCHEN_INGREDIENTS])
+        return "You stand at the stove. The pot is empty.", self._info()
+
+    def step(self, action: str):
+        if self.done or action not in self.admissible:
+            return "Nothing happens.", 0.0, self.done, self._info()
+        choice = action.split()[0]
+        if self.seasoning is None:
+            self.seasoning = choice
+            self._offer([f"{m} the {self.dish}" for m in KITCHEN_METHODS])
+            return f"The {self.dish} is seasoned with {choice}.", 0.0, False, self._info()
+        self.done, self.admissible = True, []
+        if (self.seasoning, choice) == self.recipes[self.dish]:
+            return f"The {self.dish} is ready!", 1.0, True, self._info(won=True)
+        return f"The {self.dish} is ruined.", 0.0, True, self._info()
 
 
-def barrier() -> None:
-    """Wait for every rank (after rank 0 wrote something the others read)."""
-    if world_size() > 1:
-        torch.distributed.barrier()
+KITCHEN_PANEL = (8, 16)  # episodes per dish: validation (48), report (96); one episode moves them 0.02, 0.01
 
 
-def broadcast(value):
-    """Rank 0's value on every rank (any picklable value)."""
-    if world_size() == 1:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+class TaskSuite:
+    """The tasks of one benchmark: a training pool, two fixed panels, an episode factory.
+
+    validation_panel: what the retirement rule and S_T read, every --eval-every iterations (the
+    in-distribution split: ALFWorld's 140 valid_seen games; WebShop's first 128 validation
+    goals). report_panel: the full evaluation at the end of each phase (ALFWorld valid_seen +
+    valid_unseen; WebShop all validation goals). ALFWorld tasks are game files, WebShop tasks goal
+    indices (the seed-233 split of webshop_env). --eval-episodes caps both panels.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.workers = cfg, None
+        cap = cfg.eval_episodes
+        if cfg.env == "alfworld":
+            root = alfworld_env.alfworld_data_root(cfg.alfworld_data)
+            splits = ("valid_seen", "valid_unseen")
+            if cfg.alfworld_data == "fixtures":  # our own tiny games, written into the run folder
+                root = alfworld_env.write_fixture_alfworld_games(Path(cfg.run_dir) / "alfworld_fixtures")
+                splits = ("valid_seen",)  # the fixtures have no valid_unseen split
+            self.root = root
+            self.train = alfworld_env.discover_alfworld_games(root, "train")
+            self.validation_panel = alfworld_env.alfworld_eval_panel(root, ("valid_seen",), max_episodes=cap)
+            self.report_panel = alfworld_env.alfworld_eval_panel(root, splits, max_episodes=cap)
+            if cfg.env_workers > 0:
+                self.workers = alfworld_env.AlfWorldWorkers(cfg.env_workers)
+        elif cfg.env == "kitchen":
+            dishes = range(len(KITCHEN_RECIPES))
+            self.train = [d * 1000 + v for d in dishes for v in range(100)]
+            self.validation_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[0]) for d in dishes][:cap]
+            self.report_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[1]) for d in dishes][:cap]
+        else:
+            self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
+            self.train = list(self.shop.train_goal_indices)
+            validation_goals = list(self.shop.valid_goal_indices)
+            self.validation_panel = validation_goals[:128][:cap]
+            self.report_panel = validation_goals[:cap]
+
+    def task_type(self, task) -> str:
+        if self.cfg.env == "alfworld":
+            return alfworld_env.alfworld_task_type(task)
+        if self.cfg.env == "kitchen":
+            return kitchen_dish(task)
+        category = self.shop.goals[task]["category"]
+        return webshop_env.SKILL_CATEGORY.get(category, category)  # its raw categories -> our skill blocks
+
+    def new_episode(self, task, slot: int = 0):
+        """A fresh episode of `task`. With --env-workers, `slot` (the rollout passes the task's
+        group) picks the worker process that will own it."""
+        if self.cfg.env == "webshop":
+            return webshop_env.WebShopAdapter(self.shop, task)
+        if self.cfg.env == "kitchen":
+            return KitchenEnv(task)
+        if self.workers is not None:
+            worker = slot % len(self.workers.processes)
+            return alfworld_env.RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
+        return alfworld_env.AlfWorldEnv(task, max_turns=self.cfg.max_turns)
+
+    def close(self):
+        if self.workers is not None:
+            self.workers.close()
 
 
-def gather_objects(value) -> list:
-    """[rank 0's value, rank 1's, ...] on every rank (small picklable values)."""
-    if world_size() == 1:
-        return [value]
-    values = [None] * world_size()
-    torch.distributed.all_gather_object(values, value)
-    return values
+# ==================================================================================================
+# 10. Loading a model: Qwen2.5 checkpoints, aliases, the models built in code (tiny.py)
+# ==================================================================================================
 
 
-def sum_over_ranks(*values: float) -> list:
-    """Each value summed over the ranks (counts, and sums of per-token terms)."""
-    return [sum(parts) for parts in zip(*gather_objects(values))]
+MODEL_ALIASES = {
+    "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
+    "Qwen2.5-3B": "Qwen/Qwen2.5-3B-Instruct",
+    "Qwen2.5-7B": "Qwen/Qwen2.5-7B-Instruct",
+}
 
 
-def max_over_ranks(value: float) -> float:
-    """The largest over the ranks: times (the slowest rank sets the pace), peak memory, counts of
-    collective calls."""
-    return max(gather_objects(value))
+def resolve_model_name(name: str) -> str:
+    """Alias -> hub id; `random:<alias>` and `tiny` are handled by load_policy."""
+    return MODEL_ALIASES.get(name, name)
 
 
-def all_ranks(flag: bool) -> bool:
-    return all(gather_objects(bool(flag)))
+def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(model, tokenizer) for a hub id, local folder, alias, `random:<alias>` or `tiny`.
+
+    The model's own generation config is replaced by a blank one: Qwen2.5-Instruct ships
+    top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05, and RL needs samples from the
+    full distribution (log-probs of the policy we actually train). rollout() passes its settings
+    explicitly as well.
+    """
+    if name == "tiny" or name.startswith("random:"):
+        import tiny  # the models built in code
+        model, tokenizer = tiny.build_model(name, dtype, seed)
+    else:
+        path = resolve_model_name(name)
+        # a cached hub model while the hub cannot be reached: straight from the cache (asking the hub
+        # first would retry for minutes)
+        cached_only = (not Path(path).is_dir() and checks.hub_model_cached(path)
+                       and checks.hub_answer(path).startswith("unreachable"))
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
+                                                                      use_safetensors=True)  # never a pickle
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as error:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+            raise SystemExit(f"retireopd: {name} does not load as a model and tokenizer ({type(error).__name__}: "
+                             f"{reason})") from None
+    if bad := non_finite_tensors(model.parameters()):
+        raise SystemExit(f"retireopd: {name}: {bad} of the model's weight tensors hold NaN or infinite values: "
+                         "not a usable model")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # generation continues at the right edge of every prompt
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    model.generation_config = transformers.GenerationConfig(eos_token_id=eos,
+                                                            pad_token_id=tokenizer.pad_token_id)
+    return model.to(device), tokenizer
 
 
-def cat_over_ranks(tensors: list) -> torch.Tensor:
-    """The 1-D tensors of every rank, concatenated in rank order (per-token statistics such as K)."""
-    mine = torch.cat(tensors) if tensors else torch.zeros(0)
-    return mine if world_size() == 1 else torch.cat(gather_objects(mine.detach().cpu()))
+def eos_token_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
-def share_of_tasks(tasks: list) -> list:
-    """This rank's consecutive share of the iteration's tasks: whole GRPO groups (B % N == 0)."""
-    per_rank = len(tasks) // world_size()
-    return tasks[rank() * per_rank:(rank() + 1) * per_rank]
+SMALL_MODEL_PARAMS = 20_000_000
 
 
-def global_batch(samples: list) -> tuple[int, list]:
-    """(where this rank's samples start in the global batch, the response length of every sample
-    in it). The global batch is the ranks' samples in rank order; one process: (0, its own)."""
-    lengths = [len(s.response_ids) for s in samples]
-    if world_size() == 1:
-        return 0, lengths
-    per_rank = gather_objects(lengths)
-    return sum(len(part) for part in per_rank[:rank()]), [n for part in per_rank for n in part]
+def one_thread_if_small(model, device: torch.device) -> None:
+    """On a CPU, a model below SMALL_MODEL_PARAMS runs on one torch thread: its matrices are too
+    small to gain from threads, and on a busy 2-core machine two threads were measured 4-20x
+    slower for the tiny model (spinning threads of competing processes). Bigger models keep
+    torch's default (set OMP_NUM_THREADS to choose)."""
+    if device.type == "cpu" and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
 
 
-def in_lockstep(batches: list, idle_pass) -> Iterator:
-    """This rank's micro-batches, then idle_pass() until it has made as many passes as the rank with
-    the most: each forward and backward of a sharded model is collective (FSDP gathers the weights
-    of every layer from all ranks), so every rank must make the same number."""
-    passes = max_over_ranks(len(batches))  # agreed before any pass (one process: len(batches))
-    yield from batches
-    for _ in range(passes - len(batches)):
-        idle_pass()
-
-
-def idle_pass(model, cfg: Config, backward: bool = False) -> None:
-    """One forward (and backward) that changes nothing: a one-token response, its loss times 0."""
-    logp = sequence_logprobs(model, [[0]], [[0]], cfg)
-    if backward:
-        (logp.sum() * 0).backward()
-
-
-def shard(model, device: torch.device):
-    """FSDP2: every decoder layer, then the rest (embeddings, final norm, lm_head), sharded over the
-    ranks. The scoring forward (score_tokens: the base model, then our lm_head chunks) is registered
-    as a forward of the sharded model, so that FSDP gathers the root's weights for it and reduces
-    their gradients; model.generate is never called on it (sampling_model)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-    mesh = init_device_mesh(device.type, (world_size(),))
-    for layer in model.base_model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.score_tokens = functools.partial(score_tokens, model)
-    register_fsdp_forward_method(model, "score_tokens")
-    return model
-
-
-def sharded(model) -> bool:
-    return hasattr(model, "score_tokens")  # set by shard
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole value: gathered from every rank's shard (collective) when sharded."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def full_state_dict(model) -> Optional[dict]:
-    """The sharded model's whole weights as CPU tensors on rank 0 (every rank takes part, one
-    parameter at a time); None for a model that is not sharded (save_pretrained reads it itself).
-    Qwen2 has no persistent buffers, and a tied lm_head is saved once, as save_pretrained does."""
-    if not sharded(model):
-        return None
-    gathered = {}
-    for name, parameter in model.named_parameters():
-        value = full_tensor(parameter.detach())
-        if main_process():
-            gathered[name] = value.cpu()
-    return gathered
-
-
-@torch.no_grad()
-def sampling_model(policy):
-    """The model that generates: the policy itself; when sharded, a whole copy of its weights on
-    this rank, refreshed from the shards now (collective: every rank calls it at the same point).
-
-    Why a copy: generating with the sharded policy gathers every layer's weights at every decode
-    step (at 7B, 30 GB of fp32 weights per token step); the copy costs one gather per iteration. On
-    a GPU it holds the Linear layers in bf16, the values autocast computes with, and the rest in
-    fp32, so it samples exactly as the one-process policy does under autocast: about 2 B/param."""
-    if not sharded(policy):
-        return policy
-    device = next(policy.parameters()).device
-    replica = policy.__dict__.get("sampling_copy")  # a plain attribute: not a submodule, not in state_dict
-    if replica is None:  # (its random init must not draw from the run's RNG: a resume builds it later)
-        with torch.device(device), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            replica = transformers.AutoModelForCausalLM.from_config(  # (its own config: from_config sets dtype)
-                copy.deepcopy(policy.config), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        head = replica.get_output_embeddings()
-        in_bf16 = {id(p) for m in replica.modules() if isinstance(m, torch.nn.Linear) and m is not head
-                   for p in m.parameters()}
-        for parameter in replica.parameters():  # (on CPU all are fp32 already)
-            if id(parameter) not in in_bf16:
-                parameter.data = parameter.data.float()
-        for name, buffer in policy.named_buffers():  # rotary frequencies, as the policy computed them
-            replica.get_buffer(name).copy_(buffer)
-        replica.generation_config = policy.generation_config
-        policy.__dict__["sampling_copy"] = replica.requires_grad_(False).eval()
-    shards = dict(policy.named_parameters())
-    for name, parameter in replica.named_parameters():
-        parameter.copy_(full_tensor(shards[name].detach()))
-    return replica
-
-
-def clipped_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over all parameters; the global norm (over every rank's shards) as a plain tensor."""
-    return full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-
-
-def optimizer_state(model, optimizer) -> dict:
-    """AdamW's state for a checkpoint; when sharded, whole (gathered) on rank 0, keyed by parameter name."""
-    if not sharded(model):
-        return optimizer.state_dict()
-    if not optimizer.state:  # no step taken yet (the same on every rank): torch would take a hidden one here
-        return {}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                               cpu_offload=True))
-
-
-def load_optimizer_state(model, optimizer, state: dict) -> None:
-    """The inverse of optimizer_state: each rank takes its shard of the whole state."""
-    if not sharded(model):
-        optimizer.load_state_dict(state)
-        return
-    if not state:  # saved before any step: a fresh AdamW
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
-                             options=StateDictOptions(full_state_dict=True))
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 # ==================================================================================================
@@ -2184,14 +1779,6 @@ def read_jsonl(path: Path, note: bool = False) -> list:
     return records
 
 
-def tensors_in(value) -> list:
-    """Every tensor in a nested structure of dicts, lists and tuples (a trainer state)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return [tensor for item in items for tensor in tensors_in(item)]
-
-
 def finite_json(value):
     """value with every float NaN or infinity replaced by None (JSON null), through dicts and lists."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -2208,17 +1795,6 @@ def write_text_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-RUN_IDENTITY = "run.json"  # what a run folder holds: written when the run starts, kept by --resume
-
-
-RUN_ENTRIES = (RUN_IDENTITY, "config.json", "metrics.jsonl", "events.jsonl", "eval.jsonl", "checkpoints",
-               "teacher", "student")  # any of these: the folder holds a run (of any version of this script)
-
-
-def holds_a_run(folder: Path) -> bool:
-    return any((Path(folder) / name).exists() for name in RUN_ENTRIES)
-
-
 def checkpoint_folders(run_dir: Path) -> list:
     """The resumable checkpoints of a run folder, oldest first (not one being written, nor one set aside)."""
     folder = Path(run_dir) / "checkpoints"
@@ -2226,104 +1802,11 @@ def checkpoint_folders(run_dir: Path) -> list:
         if folder.is_dir() else []
 
 
-def run_identity(folder: Path, cfg: Config, inputs: dict) -> dict:
-    """The folder's run.json: which run it holds (an id, when it started, what it runs, and `inputs`, what
-    it trains and validates on). Read when it exists (a resumed run keeps its id), written otherwise.
-    Checkpoints carry the id, so a run.json that is missing or damaged is restored from them (the
-    damaged one is kept as run.json.corrupt): the checkpoints are never discarded for want of it."""
-    path = folder / RUN_IDENTITY
-    with contextlib.suppress(OSError, ValueError):
-        identity = json.loads(path.read_text())
-        if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
-            return identity
-    damaged = path.exists()
-    if damaged:
-        os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
-    identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
-                "inputs": inputs}
-    for checkpoint in reversed(checkpoint_folders(folder)):  # the newest whose trainer state names its run
-        with contextlib.suppress(Exception):
-            identity.update(run_id=str(read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
-                            restored_from=checkpoint.name)
-            print(f"[retireopd] note: {path} was {'damaged (kept as run.json.corrupt)' if damaged else 'missing'}: "
-                  f"restored from checkpoint {checkpoint.name} (run {identity['run_id']})")
-            break
-    write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
-    return identity
-
-
-def run_inputs(cfg: Config, suite: TaskSuite) -> dict:
-    """What decides what a run trains and validates on, as resolved values: the data folder, the model,
-    the teacher, and a fingerprint of the tasks (the training pool and both panels; WebShop: their
-    goals' text; ALFWorld: the games' paths below the data root). A resume that would differ is refused."""
-    def task_text(task):
-        if cfg.env == "webshop":
-            return suite.shop.goals[task]["instruction_text"]
-        return os.path.relpath(task, suite.root) if cfg.env == "alfworld" else str(task)
-    tasks = [[task_text(t) for t in pool] for pool in (suite.train, suite.validation_panel, suite.report_panel)]
-    data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env, "built in")
-    return {"data": data, "model": cfg.model, "teacher": cfg.teacher, "train_tasks": len(suite.train),
-            "panels": [len(suite.validation_panel), len(suite.report_panel)],
-            "tasks_sha256": hashlib.sha256(json.dumps(tasks).encode()).hexdigest()[:16]}
-
-
-def saved_model_problem(folder: Path) -> Optional[str]:
-    """Why a saved model folder is not whole, or None. Every .json file must parse and every
-    .safetensors file must be as long as its header says: a file cut short by a crash or a full
-    disk fails one of them. Cheap: the weights themselves are not read."""
-    weights = sorted(folder.glob("*.safetensors"))
-    if not (folder / "config.json").is_file() or not weights:
-        return "no config.json" if weights else "no .safetensors weights"
-    for path in sorted(folder.glob("*.json")):
-        try:
-            json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError):
-            return f"{path.name} is cut short or damaged"
-    for path in weights:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            header_size = int.from_bytes(f.read(8), "little")
-            try:
-                header = json.loads(f.read(header_size)) if 8 + header_size <= size else None
-            except (ValueError, UnicodeDecodeError):
-                header = None
-        try:
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (AttributeError, KeyError, TypeError, IndexError):  # (a list or a string is no header either)
-            return f"{path.name} is cut short (its header is incomplete)"
-        if size < 8 + header_size + end:
-            return f"{path.name} is cut short ({size} of {8 + header_size + end} bytes)"
-    return None
-
-
 def read_trainer_state(folder: Path) -> dict:
     """A checkpoint's trainer.pt, memory-mapped (under torchrun every rank reads it; the pages are shared).
     weights_only: tensors, numbers, strings, lists, tuples and dicts, which is all it holds; a file that
     asks to build any other object (a pickle can run code) fails to load, and nothing of it runs."""
     return torch.load(folder / "trainer.pt", weights_only=True, map_location="cpu", mmap=True)
-
-
-TRAINER_STATE_KEYS = ("phase", "iteration", "optimizer", "python_rng", "rng", "world_size", "val_successes",
-                      "retirement", "run_id")
-
-
-def trainer_state_problem(state) -> Optional[str]:
-    """Why a loaded trainer.pt cannot continue a run, or None: it must hold what checkpoint_phase writes."""
-    if not isinstance(state, dict):
-        return f"trainer.pt holds a {type(state).__name__}, not the trainer's state"
-    missing = [key for key in TRAINER_STATE_KEYS if key not in state]
-    if missing:
-        return f"trainer.pt lacks {', '.join(missing)}"
-    if state["phase"] not in PHASES or not isinstance(state["iteration"], int) or state["iteration"] < 0:
-        return f"trainer.pt names no iteration of a phase ({state['phase']!r}, {state['iteration']!r})"
-    if not isinstance(state["val_successes"], list) or not isinstance(state["optimizer"], dict):
-        return "trainer.pt's validations or optimizer state are not what a checkpoint writes"
-    return None
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class Run:
@@ -2342,63 +1825,32 @@ class Run:
     gathers its weights from all of them), and rank 0 writes what they gathered.
     """
     latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
-    tracker: Optional[Tracker] = None  # --report-to: every line logged goes there too (main starts it)
+    tracker: Any = None  # --report-to: a tools.Tracker; every line logged goes there too (main starts it)
 
     def __init__(self, cfg: Config, inputs: Optional[dict] = None):
         self.cfg = cfg
         self.dir = Path(cfg.run_dir)
         run_id = None
-        if main_process():
+        if multigpu.main_process():
             self.dir.mkdir(parents=True, exist_ok=True)
-            identity = run_identity(self.dir, cfg, inputs)
-            run_id = identity["run_id"]
-            if inputs is not None and identity.get("inputs") != inputs:  # a resume: it must read what the run read
-                if identity.get("inputs") is not None:
-                    changed = [f"{key} {identity['inputs'].get(key)} -> {value}" for key, value in inputs.items()
-                               if identity["inputs"].get(key) != value]
-                    raise SystemExit(f"retireopd: --resume {self.dir} would not train on what the run started with ("
-                                     + "; ".join(changed) + "): restore those (a data folder, an environment "
-                                     "variable), or start a new run")
-                write_text_atomically(self.dir / RUN_IDENTITY, json.dumps({**identity, "inputs": inputs}, indent=2)
-                                      + "\n")  # (restored from a checkpoint, or written by an older version)
+            run_id = checks.run_identity(self.dir, cfg, inputs)["run_id"]
             write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-        self.run_id = broadcast(run_id)
+        self.run_id = multigpu.broadcast(run_id)
         self.started = time.time()
         self.skipped_streak = 0
         Run.latest = self.dir
 
     def log(self, name: str, record: dict) -> None:
-        if not main_process():
+        if not multigpu.main_process():
             return
         record = finite_json(record)  # NaN and infinities are not JSON: they are written as null
         try:
             with open(self.dir / name, "a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
         except OSError as error:
-            raise SystemExit(self.write_failure(name, error)) from None
+            raise SystemExit(checks.write_failure(self.dir, name, error)) from None
         if self.tracker is not None:
             self.tracker.log(name, record)
-
-    def write_failure(self, name: str, error: Exception) -> str:
-        """The one line of a write into the run folder that failed (a full disk, a quota): what, why,
-        what is kept, what to do."""
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        free = shutil.disk_usage(self.dir).free
-        newest = (self.checkpoints() or [None])[-1]
-        needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
-        code = getattr(error, "errno", None) or next(  # safetensors says "... (os error 27)"
-            (int(n) for n in re.findall(r"os error (\d+)", reason)), None)
-        full = code == errno.ENOSPC or "No space left" in reason or (free < needed and code != errno.EFBIG)
-        kept = (f"the last checkpoint, {newest.name}, is kept: `--resume {self.dir}` continues from it" if newest
-                else "no checkpoint was written yet")
-        fewer = ("keep fewer checkpoints or write them less often with --keep-checkpoints and --save-every (--resume "
-                 "accepts new values of both)")
-        advice = {errno.EFBIG: "a limit on the size of one file stopped it (`ulimit -f` shows it): raise that limit",
-                  errno.EDQUOT: f"your disk quota is used up: free some of it, or {fewer}"}.get(
-                      code, f"free some space, or {fewer}" if full else "check that the folder is writable")
-        return (f"retireopd: could not write {self.dir / name} ({'the disk is full: ' if full else ''}{reason}; "
-                f"{format_bytes(free)} free there" + (f", a checkpoint takes {format_bytes(needed)}" if needed else "")
-                + f"); {kept}; {advice}")
 
     def save_model(self, model, tokenizer, name: str, extra: Optional[dict] = None,
                    trainer_state: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16) -> Path:
@@ -2410,11 +1862,11 @@ class Run:
         down); None keeps the fp32 master weights (resumable checkpoints). The live model is
         not changed. Sharded: the whole weights are gathered (every rank calls this), rank 0 writes."""
         from safetensors import SafetensorError
-        weights = full_state_dict(model)  # None: not sharded (save_pretrained reads the model itself)
+        weights = multigpu.full_state_dict(model)  # None: not sharded (save_pretrained reads the model itself)
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
-        if not main_process():
+        if not multigpu.main_process():
             return final
-        tensors = [*(model.state_dict() if weights is None else weights).values(), *tensors_in(trainer_state)]
+        tensors = [*(model.state_dict() if weights is None else weights).values(), *checks.tensors_in(trainer_state)]
         if bad := non_finite_tensors(tensors):  # weights, AdamW's moments
             raise SystemExit(f"retireopd: not saving {final}: {bad} of its tensors hold NaN or infinite values "
                              "(what was saved before is kept)")
@@ -2431,7 +1883,7 @@ class Run:
                 torch.save(trainer_state, tmp / "trainer.pt")
         except (OSError, RuntimeError, SafetensorError) as error:  # torch says "unexpected pos" on a full disk
             shutil.rmtree(tmp, ignore_errors=True)  # what was saved before stays as it was
-            raise SystemExit(self.write_failure(name, error)) from None
+            raise SystemExit(checks.write_failure(self.dir, name, error)) from None
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         return final
@@ -2439,10 +1891,10 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict) -> None:
         """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints."""
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
-        if main_process():
+        if multigpu.main_process():
             (self.dir / "checkpoints").mkdir(exist_ok=True)
         self.save_model(model, tokenizer, name, trainer_state={**state, "run_id": self.run_id}, dtype=None)
-        for old in self.checkpoints()[: -self.cfg.keep_checkpoints] if main_process() else ():
+        for old in self.checkpoints()[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
             shutil.rmtree(old, ignore_errors=True)
 
     def checkpoints(self) -> list:
@@ -2452,35 +1904,13 @@ class Run:
         """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a
         file cut short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a
         note, and the one before it is tried. Under torchrun rank 0 chooses, and every rank loads it."""
-        if not main_process():
-            name = broadcast(None)
+        if not multigpu.main_process():
+            name = multigpu.broadcast(None)
             folder = None if name is None else self.dir / "checkpoints" / name
             return (None, None) if folder is None else (folder, read_trainer_state(folder))
-        folder, state = self.first_resumable_checkpoint()
-        broadcast(folder.name if folder else None)
+        folder, state = checks.first_resumable_checkpoint(self.dir, self.run_id)
+        multigpu.broadcast(folder.name if folder else None)
         return folder, state
-
-    def first_resumable_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
-        for folder in reversed(self.checkpoints()):
-            problem, state = saved_model_problem(folder), None
-            if problem is None:
-                try:
-                    state = read_trainer_state(folder)
-                    problem = trainer_state_problem(state)
-                except pickle.UnpicklingError:  # weights_only refused it
-                    problem = "trainer.pt asks to build objects that are not data (a pickle can run code): not loaded"
-                except Exception as error:  # cut short, missing, not a torch file
-                    problem = "trainer.pt does not load: " + (str(error).strip().splitlines() or ["?"])[0]
-            if problem is None and state.get("run_id", self.run_id) != self.run_id:
-                problem = f"it belongs to run {state['run_id']}, this folder holds run {self.run_id}"
-            if problem is None:
-                return folder, state
-            aside = folder.with_name(folder.name + ".corrupt")
-            shutil.rmtree(aside, ignore_errors=True)
-            folder.rename(aside)
-            print(f"[retireopd] note: checkpoint {folder.name} is not usable ({problem}): set aside as "
-                  f"{aside.name}; trying the one before it")
-        return None, None
 
     def finished_phases(self) -> tuple:
         """The phases whose final model this folder holds (teacher/, student/): a resume skips them."""
@@ -2491,7 +1921,7 @@ class Run:
         every iteration after the checkpoint (phase, iteration), and the start and end (memory
         estimate, report, teacher_ready) of every phase not in `finished`, the phases whose final
         model is saved (they are not redone). A last line cut short by a crash is dropped, with a note."""
-        if not main_process():
+        if not multigpu.main_process():
             return
         point = (PHASES.index(phase), iteration)
         for saved in finished:  # a saved phase is complete, whichever checkpoint is used
@@ -2520,30 +1950,18 @@ class Run:
     def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
         """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after
         a check that every rank fed the retirement rule the same numbers and took the same decision."""
-        record["t_iteration"] = max_over_ranks(time.perf_counter() - started)
-        record["peak_mem_gb"] = max_over_ranks(peak_memory_gb(device))
-        rules = gather_objects({key: record.get(key) for key in ("gap", "val_success", "teacher_active", "retired")})
+        record["t_iteration"] = multigpu.max_over_ranks(time.perf_counter() - started)
+        record["peak_mem_gb"] = multigpu.max_over_ranks(peak_memory_gb(device))
+        rules = multigpu.gather_objects({key: record.get(key) for key in ("gap", "val_success", "teacher_active", "retired")})
         if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)
             raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {rules}")
         self.log("metrics.jsonl", record)
-        self.note_skipped_steps(record)
+        self.skipped_streak = checks.note_skipped_steps(record, self.skipped_streak)
 
-    SKIPPED_ITERATIONS_TO_STOP = 3  # iterations in a row whose every optimizer step was skipped
-
-    def note_skipped_steps(self, record: dict) -> None:
-        """An iteration whose every optimizer step was skipped (a non-finite loss or gradient) says so;
-        SKIPPED_ITERATIONS_TO_STOP of them in a row stop the run: it is no longer training."""
-        all_skipped = record.get("skipped_steps", 0) > 0 and record.get("optimizer_steps", 0) == 0
-        self.skipped_streak = self.skipped_streak + 1 if all_skipped else 0
-        if not all_skipped:
-            return
-        where = f"{record['phase']} iteration {record['iteration']}"
-        if self.skipped_streak >= self.SKIPPED_ITERATIONS_TO_STOP:
-            raise SystemExit(f"retireopd: every optimizer step of {self.skipped_streak} iterations in a row (up to "
-                             f"{where}) was skipped: the loss or its gradient is not finite, so the run is no longer "
-                             "training; start again with a lower --lr (the checkpoints hold the weights before)")
-        tqdm.write(f"[retireopd] note: {where}: all {record['skipped_steps']} optimizer steps were skipped (a "
-                   "non-finite loss or gradient); the weights did not change")
+    def log_memory_estimate(self, policy, phase: str, frozen: FrozenModels, skill_tokens: int = 0) -> None:
+        """Print and log the memory estimate of a phase, before it allocates anything heavy (tools.py)."""
+        import tools
+        tools.print_memory_estimate(policy, self.cfg, self, phase, frozen, skill_tokens)
 
     def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
         """The retirement event (events.jsonl) with the numbers that decided it, and its message."""
@@ -2564,13 +1982,13 @@ class Run:
         """A resumable checkpoint every --save-every iterations, at the phase's last iteration and at
         retirement: the fp32 policy and everything a resumed run needs to go on exactly as this one."""
         last = iteration + 1 == iterations
-        stopping = not all_ranks(not STOP_REQUESTED)  # SIGTERM / SIGHUP (on any rank): stop here, with a checkpoint
+        stopping = not multigpu.all_ranks(not STOP_REQUESTED)  # SIGTERM / SIGHUP (on any rank): stop here, with a checkpoint
         if last or retired_now or stopping or (self.cfg.save_every and (iteration + 1) % self.cfg.save_every == 0):
-            rngs = gather_objects(rng_state(next(model.parameters()).device))  # one per rank
+            rngs = multigpu.gather_objects(rng_state(next(model.parameters()).device))  # one per rank
             self.checkpoint(model, tokenizer, {
-                "phase": phase, "iteration": iteration, "optimizer": optimizer_state(model, optimizer),
+                "phase": phase, "iteration": iteration, "optimizer": multigpu.optimizer_state(model, optimizer),
                 "python_rng": rng.getstate(), "rng": rngs[0] if len(rngs) == 1 else rngs,
-                "world_size": world_size(), "val_successes": val_successes,
+                "world_size": multigpu.world_size(), "val_successes": val_successes,
                 "retirement": dataclasses.asdict(retirement) if retirement else None})
         if stopping:
             raise Stopped(STOP_REQUESTED[0] if STOP_REQUESTED else signal.SIGTERM,
@@ -2582,7 +2000,7 @@ class Run:
         self.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
         self.save_model(model, tokenizer, "teacher", {"teacher_success": teacher_success, "env": self.cfg.env,
                                                       "base_model": self.cfg.model, "validations": validations[-2:]})
-        barrier()  # phase 2 reads it back on every rank
+        multigpu.barrier()  # phase 2 reads it back on every rank
 
     def save_student(self, model, tokenizer, teacher_success: Optional[float],
                      retirement: Optional[Retirement]) -> None:
@@ -2590,7 +2008,6 @@ class Run:
                                                       "retired_at": retirement.retired_at if retirement else None})
 
 
-# ----- Signals: SIGTERM (what a scheduler sends) and SIGHUP end a run at its next safe point --------
 STOP_REQUESTED: list = []  # the signal received, if any; the run stops at the end of the iteration
 
 
@@ -2608,7 +2025,7 @@ def stop_at_the_next_safe_point(signum: int, _frame) -> None:
     if STOP_REQUESTED:
         raise Stopped(signum)
     STOP_REQUESTED.append(signum)
-    if main_process():
+    if multigpu.main_process():
         print(f"\n[retireopd] {signal.Signals(signum).name}: stopping after this iteration, with a checkpoint "
               "(a second signal stops at once)", flush=True)
 
@@ -2662,272 +2079,52 @@ def retirement_message(iteration: int, retirement: Retirement, record: dict) -> 
         return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
     return (f"[retireopd] teacher retired after iteration {iteration}: the gap K stopped shrinking "
             f"(block mean {record['judged_block']:.4g}, progress {record['progress']:+.3f} <= "
-            f"{retirement.threshold}) and the student is competent (its last two validations, "
+            f"{retirement.threshold}) and the student is competent (this and the previous judging validation, "
             f"{record['val_success']:.2f} now, average {record['competence']:.2f} x S_T >= {retirement.rho}); "
             f"GRPO alone from iteration {retirement.retired_at}")
 
 
-# ----- The live dashboard (--report-to tensorboard | wandb) ----------------------------------------
+def process_memory_gb(field_name: str = "VmRSS") -> float:
+    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
 
 
-def tracker_step(cfg: Config, phase: str, iteration: int) -> int:
-    """A tracker's step: the updates done so far, phase 1's then phase 2's (one axis, as the plot draws
-    them). Iteration i ends at step i + 1, so a validation before training (iteration -1) is step 0, as
-    in verl's val_before_train; trackers take no negative step (W&B drops it)."""
-    offset = phase_iterations(cfg, "teacher") if phase == "student" and ALGORITHMS[cfg.algo].teacher_phase else 0
-    return offset + iteration + 1
+def current_memory_gb(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
 
 
-def flat_numbers(record: dict, prefix: str) -> dict:
-    """{prefix/key: number} for every number of a record (booleans 0/1; nested dicts flattened with "/";
-    strings and None left out)."""
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            out.update(flat_numbers(value, f"{prefix}/{key}"))
-        elif isinstance(value, (bool, int, float)):
-            out[f"{prefix}/{key}"] = float(value)
-    return out
-
-
-def tracker_record(cfg: Config, name: str, record: dict) -> Optional[tuple[int, dict]]:
-    """What a tracker gets from one line of the run folder's logs: (step, {key: number}), or None.
-    metrics.jsonl: PHASE/KEY for each number of the line; eval.jsonl: PHASE/PANEL_skills/KEY (or
-    _no_skills); events.jsonl: the retirement alone, student/retirement/KEY. The phase, iteration,
-    panel and skills of a line (and before_training: step 0) make its key and step, not values."""
-    if name == "metrics.jsonl":
-        phase, iteration, prefix = record["phase"], record["iteration"], record["phase"]
-    elif name == "eval.jsonl":
-        phase, iteration = record["phase"], record["iteration"]
-        prefix = f"{phase}/{record['panel']}_{'skills' if record.get('skills') else 'no_skills'}"
-    elif name == "events.jsonl" and record.get("event") == "retirement":
-        phase, iteration, prefix = "student", record["decided_after_iteration"], "student/retirement"
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     else:
-        return None
-    keys = {"phase", "iteration", "panel", "skills", "before_training", "event", "decided_after_iteration"}
-    return tracker_step(cfg, phase, iteration), flat_numbers({k: v for k, v in record.items() if k not in keys}, prefix)
+        try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
 
 
-class Tracker:
-    """--report-to: a live dashboard beside the jsonl logs, on rank 0 (main starts it, Run.log feeds it).
-
-    tensorboard: event files in RUN_DIR/tensorboard; a resume appends there and purges the steps it
-    redoes. wandb: one W&B run whose id is the run's run_id (run.json), so a resume continues it
-    (W&B keeps the values it already has for the redone steps); project $WANDB_PROJECT or
-    "retireopd", its files in $WANDB_DIR or the run folder. Each package is imported only here."""
-
-    @staticmethod
-    def problem(report_to: str) -> Optional[str]:
-        """Why --report-to cannot run here, in one line (its package is missing), or None."""
-        try:
-            if report_to == "tensorboard":
-                import torch.utils.tensorboard  # noqa: F401 (it needs the tensorboard package)
-            elif report_to == "wandb":
-                import wandb  # noqa: F401
-        except ImportError:
-            return f"--report-to {report_to} needs the {report_to} package, not installed here: pip install {report_to}"
-        return None
-
-    def __init__(self, cfg: Config, run_dir: Path, run_id: str, purge_step: Optional[int] = None):
-        self.cfg = cfg
-        if cfg.report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
-        else:
-            import wandb
-            self.writer = wandb.init(project=os.environ.get("WANDB_PROJECT") or "retireopd", name=run_dir.name,
-                                     id=run_id, resume="allow", config=dataclasses.asdict(cfg),
-                                     dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
-
-    def log(self, name: str, record: dict) -> None:
-        found = tracker_record(self.cfg, name, record)
-        if found is None:
-            return
-        step, values = found
-        if self.cfg.report_to == "wandb":
-            self.writer.log(values, step=step)
-            return
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()  # (once per iteration: a crash loses nothing that metrics.jsonl has)
-
-    def close(self) -> None:
-        if self.cfg.report_to == "wandb":
-            self.writer.finish()
-        else:
-            self.writer.close()
-
-
-# ----- Phase bookkeeping for train_phase and the phases (section 6) --------------------------------
-
-
-def phase_iterations(cfg: Config, phase: str) -> int:
-    return (cfg.teacher_iterations or cfg.iterations) if phase == "teacher" else cfg.iterations
-
-
-def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
-    """Every eval_every iterations (1-based: 5, 10, ...), and at the phase's last iteration."""
-    return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == iterations
-
-
-def validate(phase: str, iteration: int, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run,
-             skills: bool) -> dict:
-    """A validation on the fixed panel, logged to eval.jsonl (iteration -1: before the phase's first
-    update). With skills (phase 1, the teacher) it is played twice, as the authors do: with skills
-    (what S_T reads) and without. Returns {"val_success": ...} (and "val_success_no_skills")."""
-    out = {}
-    for with_skills in (True, False) if skills else (False,):
-        result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=with_skills,
-                          desc=f"{phase} validation" + ("" if with_skills == skills else " (no skills)"))
-        run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation",
-                               **({"before_training": True} if iteration < 0 else {}), **result})
-        out["val_success" if with_skills == skills else "val_success_no_skills"] = result["overall"]
-    if iteration < 0:
-        tqdm.write(f"[retireopd] {phase} before training: validation {out['val_success']:.2f}"
-                   + (f" with skills, {out['val_success_no_skills']:.2f} without" if skills else ""))
-    return out
-
-
-@contextlib.contextmanager
-def timed(record: dict, key: str):
-    """Add the seconds the block took to record[key] (the per-stage times of metrics.jsonl)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        record[key] = record.get(key, 0.0) + time.perf_counter() - start
-
-
-def start_measuring(device: torch.device) -> float:
-    """An iteration starts: reset the peak-memory counter; returns the start time."""
-    reset_peak_memory(device)
-    return time.perf_counter()
-
-
-def restore_phase(resume: dict, policy, optimizer, rng: random.Random, device: torch.device) -> tuple[list, int]:
-    """Continue a phase from a checkpoint's trainer state: AdamW's moments, the task-sampling and
-    sampling RNGs. Returns (validation successes so far, the first iteration to run)."""
-    load_optimizer_state(policy, optimizer, resume.pop("optimizer"))  # pop: no second copy of the moments
-    rng.setstate(resume["python_rng"])
-    set_rng_state(resume["rng"], device)
-    return list(resume["val_successes"]), resume["iteration"] + 1
-
-
-def progress_postfix(record: dict, val_successes: list, retirement: Optional[Retirement]) -> dict:
-    postfix = {"success": f"{record['success']:.2f}"}
-    if "gap" in record:
-        postfix["K"] = f"{record['gap']:.4f}"
-    if val_successes:
-        postfix["val"] = f"{val_successes[-1]:.2f}"
-    if retirement is not None:
-        postfix["retired"] = retirement.retired
-    return postfix
-
-
-def recorded_teacher_success(cfg: Config, teacher_dir: Path) -> float:
-    """S_T for phase 2: recorded beside the teacher at the end of phase 1, or --teacher-success.
-    S_T = 0 stops the run here for the adaptive rule: its competence test cannot be judged."""
-    if problem := teacher_folder_problem(teacher_dir, cfg.env):  # (damaged since the run started)
-        raise SystemExit(f"retireopd: {problem}")
-    stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
-    teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
-    print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
-          + (f" (--teacher-success; recorded {stored:.3f})" if cfg.teacher_success is not None else
-             " (mean of its last two validations)"))
-    if teacher_success <= 0 and ALGORITHMS[cfg.algo].retirement == "adaptive" and cfg.retire_at is None:
-        raise SystemExit(f"retireopd: S_T = 0 (the teacher in {teacher_dir} never won a validation task), "
-                         "so the competence test cannot be judged: set --teacher-success S, or retire on a "
-                         "fixed schedule with --retire-at N")
-    return teacher_success
-
-
-@dataclass
-class FrozenModels:
-    """The frozen models a phase scores with: the teacher (phase 2, until it retires) and the base
-    model as the KL reference (when its coefficient is > 0). This object holds their only
-    references, so `release_teacher` frees the teacher's memory for good."""
-    teacher: Optional[torch.nn.Module] = None
-    reference: Optional[torch.nn.Module] = None
-
-    def release_teacher(self) -> None:
-        self.teacher = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-class Models:
-    """Where a run's models come from: the base model (for the tiny demo, its warm-started copy,
-    built once per run folder), a policy to train (the base model, or the checkpoint's when a
-    resume continues that phase), and frozen copies for scoring (the teacher, the KL reference)."""
-
-    def __init__(self, cfg: Config, run: Run, device: torch.device, checkpoint: Optional[Path] = None,
-                 state: Optional[dict] = None):
-        self.cfg, self.device, self.checkpoint, self.state = cfg, device, checkpoint, state
-        self.base = cfg.model  # what both phases start from, and the KL reference
-        if cfg.model == "tiny" and cfg.warm_start > 0:
-            self.base = warm_started_tiny_base(run, device, cfg.warm_start)
-        self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
-        if self.teacher_dir.is_dir() and (problem := teacher_folder_problem(self.teacher_dir, cfg.env)):
-            raise SystemExit(f"retireopd: {problem}")  # a resume's own teacher/, from another environment
-
-    def teacher_saved(self) -> bool:
-        return (self.teacher_dir / "retireopd.json").is_file()
-
-    def policy(self, phase: str):
-        """(model, tokenizer, the checkpoint's trainer state if this phase resumes, else None)."""
-        resuming = self.state is not None and self.state["phase"] == phase
-        model, tokenizer = load_policy(str(self.checkpoint) if resuming else self.base, self.device, torch.float32,
-                                       self.cfg.seed)
-        one_thread_if_small(model, self.device)
-        if self.cfg.gradient_checkpointing and self.device.type == "cuda":
-            model.activation_checkpointing_enable()
-        if world_size() > 1:
-            shard(model, self.device)
-        resume, self.state = (self.state if resuming else None), None  # handed over: held once
-        return model, tokenizer, resume
-
-    def teacher(self, student, tokenizer) -> torch.nn.Module:
-        """The frozen teacher, once it is checked to score the student's tokens (teacher_fit_problem)."""
-        teacher = self.frozen_copy(self.teacher_dir)
-        if problem := teacher_fit_problem(teacher, self.teacher_dir, student, tokenizer):
-            raise SystemExit(f"retireopd: {problem}: a teacher must be trained from the student's base model "
-                             f"(--model {self.cfg.model}), as phase 1 does")
-        return teacher
-
-    def frozen_copy(self, name) -> torch.nn.Module:
-        """A frozen copy for scoring only (--frozen-dtype): the teacher, or the base model as reference."""
-        dtype = torch.bfloat16 if self.cfg.frozen_dtype == "bfloat16" else torch.float32
-        model, _ = load_policy(str(name), self.device, dtype, self.cfg.seed)
-        model.requires_grad_(False).eval()
-        return shard(model, self.device) if world_size() > 1 else model
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the
+    process's peak resident set (VmHWM; the process's peak so far where Linux refuses the reset)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return process_memory_gb("VmHWM")
 
 
 # ==================================================================================================
-# 12. Command line: flags, the tiny presets, checks that fail in one line
+# 12. Command line and main
 # ==================================================================================================
-# `python retireopd.py --model tiny` must run teacher -> student -> retirement -> GRPO in minutes on
-# a laptop CPU. These values replace the protocol defaults for the tiny model, unless a flag is given.
-# On ALFWorld's fixture games and the built-in WebShop catalogue the tiny model only runs the code
-# paths: small and quick, no warm start (it knows only the kitchen), and since it never wins (S_T =
-# 0) the teacher retires on a fixed schedule halfway through phase 2, unless --teacher-success or
-# --retire-at is given.
-TINY_PRESET_ELSEWHERE = dict(warm_start=0, teacher_iterations=None, iterations=10, batch_tasks=2, group_size=4,
-                             max_response_tokens=32, eval_episodes=4, lr=1e-4, lr_warmup_steps=0,
-                             retire_at="half")
-
-
-TINY_PRESET = dict(
-    env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
-    group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=32, opd_mini_batch=32,
-    window=2, eval_every=2, lr=5e-4, lr_warmup_steps=10, entropy_coef=0.0, kl_coef=0.3, opd_coef=10.0,
-)
 
 
 EXAMPLES = """examples:
-  python retireopd.py --model tiny                        # the offline CPU demo (the kitchen), ~9 min
-  python retireopd.py --model tiny --algo grpo            # the demo's GRPO baseline, to --compare
-  python retireopd.py --model tiny --env alfworld         # the code paths on fixture ALFWorld games we write
+  python retireopd.py                                     # the offline CPU demo (--model tiny, the kitchen), ~10 min
+  python retireopd.py --algo grpo                         # the demo's GRPO baseline, to --compare
+  python retireopd.py --env alfworld                      # the code paths on fixture ALFWorld games we write
+  python retireopd.py --show-prompts --env webshop        # a student's and a teacher's first prompt, then exit
   python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
   python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
   python retireopd.py --model random:Qwen2.5-1.5B --iterations 1   # real shapes, random weights
@@ -2939,17 +2136,22 @@ EXAMPLES = """examples:
 def build_parser() -> argparse.ArgumentParser:
     """One flag per Config field, its help text from the field's metadata (arg), plus the actions."""
     parser = argparse.ArgumentParser(
-        description="RetireOPD: self-retiring on-policy distillation for agentic RL (arXiv 2609.20784). With "
-        "--model tiny, a flag marked [default: X; tiny: Y] defaults to Y (TINY_PRESET).",
+        description="RetireOPD: self-retiring on-policy distillation for agentic RL (arXiv 2609.20784). Without "
+        "--model, the offline demo (--model tiny); with a real model, the paper's protocol. A flag marked "
+        "[default: X; tiny: Y] defaults to Y with --model tiny (tiny.TINY_PRESET), to X with any other model.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only draw RUN_DIR/plot.png and exit")
     parser.add_argument("--compare", metavar="RUN_DIR", nargs="+", help="only draw several runs on one figure")
     parser.add_argument("--benchmark", action="store_true",
                         help="time our rollout/update/log-probs against plain Hugging Face calls and exit")
+    parser.add_argument("--show-prompts", action="store_true",
+                        help="print the student's and the teacher's first-turn prompt of one task, as the model sees "
+                        "them, and exit")
+    import tiny  # the models built in code, and the tiny model's presets
     for f in dataclasses.fields(Config):
-        tiny = f"; tiny: {TINY_PRESET[f.name]}" if f.name in TINY_PRESET else ""  # what --model tiny uses instead
-        text = f"{f.metadata['help']} [default: {f.default}{tiny}]".replace("%", "%%")
+        preset = f"; tiny: {tiny.TINY_PRESET[f.name]}" if f.name in tiny.TINY_PRESET else ""  # --model tiny's
+        text = f"{f.metadata['help']} [default: {f.default}{preset}]".replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
@@ -2965,9 +2167,10 @@ def parse_config(given: dict) -> Config:
     Values the user did not give come from the `tiny` preset (for --model tiny) or the Config
     defaults, then the per-benchmark defaults (max turns, prompt budget, mini-batch) fill in.
     """
-    values = dict(TINY_PRESET) if given.get("model", Config.model) == "tiny" else {}
+    import tiny  # the models built in code, and the tiny model's presets
+    values = dict(tiny.TINY_PRESET) if given.get("model", Config.model) == "tiny" else {}
     if values and given.get("env", values["env"]) != "kitchen":
-        values.update(TINY_PRESET_ELSEWHERE)
+        values.update(tiny.TINY_PRESET_ELSEWHERE)
     if "iterations" in given and "teacher_iterations" not in given:
         values.pop("teacher_iterations", None)  # --iterations N alone sets both phases
     values.update(given)
@@ -2981,7 +2184,7 @@ def parse_config(given: dict) -> Config:
     cfg.mini_batch = cfg.mini_batch or (256 if alfworld else 64)
     if cfg.run_dir is None:
         cfg.run_dir = str(Path("runs") / f"{cfg.env}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-    validate_config(cfg)
+    checks.validate_config(cfg)
     return cfg
 
 
@@ -3026,684 +2229,84 @@ def resume_config(run_dir: str, given: dict) -> Config:
         raise SystemExit("retireopd: --resume continues a run with its own config; drop "
                          + ", ".join(clashes) + " or start a new run")
     cfg = Config(**{**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir})
-    validate_config(cfg, notes=False)
+    checks.validate_config(cfg, notes=False)
     return cfg
 
 
-def teacher_folder_problem(folder: Path, env: str) -> Optional[str]:
-    """Why a saved phase-1 teacher cannot teach a run on `env`, or None: it must have been written by
-    phase 1 of this script (retireopd.json: S_T in [0, 1] and the environment) on the same
-    environment, and be a model folder (config.json and weights; their vocabulary is checked against
-    the student's when phase 2 loads it, teacher_fit_problem)."""
-    record = folder / "retireopd.json"
-    if not record.is_file():
-        return (f"{folder}: no retireopd.json (the stored teacher success rate) in that folder; pass a folder "
-                "written by phase 1 of this script")
-    try:
-        stored = json.loads(record.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        return f"{record} is damaged ({type(error).__name__}): not a teacher this script wrote"
-    success = stored.get("teacher_success") if isinstance(stored, dict) else None
-    if isinstance(success, bool) or not isinstance(success, (int, float)) or not 0 <= success <= 1:
-        return (f"{record} is damaged: its teacher_success (S_T) is {success!r}, not a number in [0, 1]"
-                if isinstance(stored, dict) and "teacher_success" in stored else
-                f"{record} is damaged: it holds no teacher_success (S_T)")
-    if stored.get("env") != env:
-        return f"{folder} was trained on {stored.get('env')}, this run is --env {env}"
-    if problem := saved_model_problem(folder):
-        return f"{folder} is not a whole model folder ({problem})"
-    return None
-
-
-def teacher_fit_problem(teacher, teacher_dir: Path, student, tokenizer) -> Optional[str]:
-    """Why a teacher cannot score the student's tokens, or None: the same vocabulary (the size of the
-    output layer, and the tokenizer's token -> id map). A teacher trained from the student's base
-    model always fits."""
-    sizes = (teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
-    if sizes[0] != sizes[1]:
-        return f"the teacher in {teacher_dir} has a vocabulary of {sizes[0]} tokens, the student {sizes[1]}"
-    teacher_tokenizer = transformers.AutoTokenizer.from_pretrained(str(teacher_dir))
-    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
-        return f"the teacher in {teacher_dir} has another tokenizer than the student (the same token ids mean " \
-               "other text)"
-    return None
-
-
-def check_run_folder(run_dir: str, resuming: bool) -> list:
-    """Take the run folder, or refuse it in one line before anything is written: one that another
-    process is using (lock_run_folder), one that holds another run (unless resuming it; a run that
-    stopped before its first iteration is cleared instead), a file, or a place where nothing can be
-    written (a read-only or full disk, a name too long). The write test leaves no trace."""
-    folder = Path(run_dir)
-    missing = []
-    try:
-        blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-        if blocking is not None:
-            raise SystemExit(f"retireopd: --run-dir {run_dir}: {blocking} is a file, not a folder")
-        missing = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".retireopd-write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        for created in missing:
-            with contextlib.suppress(OSError):
-                created.rmdir()
-        advice = {errno.ENOSPC: "the disk is full: free some space there" + (
-                      ", then resume" if resuming else ", or choose a folder on another disk"),
-                  errno.EDQUOT: "your disk quota is used up: free some of it, or choose a folder elsewhere",
-                  errno.ENAMETOOLONG: "a name in that path is longer than the filesystem allows: choose a shorter "
-                                      "one"}.get(error.errno, "choose one on a writable disk")
-        raise SystemExit(f"retireopd: --run-dir {run_dir}: cannot create or write a folder there "
-                         f"({error.strerror or error}): {advice}") from None
-    lock_existed = (folder / LOCK_FILE).exists()
-    lock_run_folder(folder)
-    if not resuming and holds_a_run(folder):
-        if not stopped_before_its_first_iteration(folder):
-            if not lock_existed:  # (a folder of an older version: left as it was)
-                give_back_run_folder(run_dir, [])
-                (folder / LOCK_FILE).unlink(missing_ok=True)
-            raise SystemExit(f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose "
-                             "another `--run-dir`")
-        for name in (*RUN_ENTRIES, *RUN_ARTEFACTS):
-            path = folder / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained "
-              "or saved): cleared, and this run starts there")
-    name_the_holder(folder)
-    return missing
-
-
-def give_back_run_folder(run_dir: str, created: list) -> None:
-    """A start that failed before the run wrote anything: unlock the folder, and remove the lock file and
-    the folders this start created, when they hold nothing else (nothing then blocks the next start)."""
-    folder = Path(run_dir)
-    lock = folder / LOCK_FILE
-    if (handle := HELD_LOCKS.pop(str(lock.resolve()), None)) is not None:
-        handle.close()
-    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
-        lock.unlink(missing_ok=True)
-        for path in created:
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-
-LOCK_FILE = ".retireopd.lock"  # in the run folder; its flock is held by the process that runs there
-RUN_ARTEFACTS = ("tiny_base", "tiny_base.tmp", "alfworld_fixtures", "tensorboard", "wandb", "plot.png")
-HELD_LOCKS: dict = {}  # run folder -> its open lock file; the kernel releases the lock when this process ends
-
-
-def lock_run_folder(folder: Path) -> None:
-    """One process per run folder: an exclusive flock on RUN_DIR/.retireopd.lock, taken before the folder
-    is checked and held until this process ends (a crash or SIGKILL releases it too). The file names
-    the holder, for the one-line refusal of a second start or of a --resume of a live run. A filesystem
-    without locks (some network disks) gets a note: the folder is then not guarded."""
-    import fcntl
-    path = folder / LOCK_FILE
-    if str(path.resolve()) in HELD_LOCKS:  # this process holds it already (main called again, as tests do)
-        return
-    handle = open(path, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process (it is starting)"
-        handle.close()
-        raise SystemExit(f"retireopd: {folder} is in use by {holder}: one process per run folder; wait for it to "
-                         f"end (or stop it), then `--resume {folder}` continues the run") from None
-    except OSError as error:
-        print(f"[retireopd] note: {folder}'s filesystem cannot lock files ({error.strerror}): nothing keeps a "
-              "second process out of this run folder")
-    HELD_LOCKS[str(path.resolve())] = handle
-
-
-def name_the_holder(folder: Path) -> None:
-    """Write who holds the folder's lock into the lock file (once the folder is taken: a refused start
-    leaves it as it was), for the refusal another start will print."""
-    handle = HELD_LOCKS.get(str((folder / LOCK_FILE).resolve()))
-    if handle is not None:
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')} "
-                     f"(`{shlex.join(sys.argv)[:300]}`)")
-        handle.flush()
-
-
-def release_run_folders() -> None:
-    """Let other processes use the run folders this one held (at the end of main; exiting does it too)."""
-    while HELD_LOCKS:
-        HELD_LOCKS.popitem()[1].close()
-
-
-def stopped_before_its_first_iteration(folder: Path) -> bool:
-    """A run folder whose start failed after run.json was written (a teacher that does not fit, a
-    model that does not load): our run.json, and no iteration, evaluation, checkpoint or saved model."""
-    try:
-        if "run_id" not in json.loads((folder / RUN_IDENTITY).read_text()):
-            return False
-    except (OSError, ValueError, TypeError):
-        return False
-    progress = [name for name in ("metrics.jsonl", "eval.jsonl") if read_jsonl(folder / name)]
-    return not progress and not any((folder / name).exists() for name in ("checkpoints", "teacher", "student"))
-
-
-def validate_config(cfg: Config, notes: bool = True) -> None:
-    """Bad flags fail here, in one line each, before any model is loaded (and flags that are merely unused
-    get a note, unless `notes` is False: a resume said them when the run started)."""
-    not_finite = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}: must be a finite number"
-                  for f in dataclasses.fields(Config)
-                  if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
-    if not_finite:  # (NaN passes every `< 0` below: nothing else is judged until these are fixed)
-        raise SystemExit("retireopd: " + "\n".join(not_finite))
-    problems = []
-    if cfg.algo not in ALGOS:
-        problems.append(f"--algo {cfg.algo!r}: choose one of {', '.join(ALGOS)}")
-    if cfg.env not in ENVS:
-        problems.append(f"--env {cfg.env!r}: choose alfworld, webshop or kitchen")
-    if cfg.group_size < 2:
-        problems.append("--group-size must be >= 2: GRPO normalises within a group")
-    if not 0 < cfg.rho <= 1:
-        problems.append("--rho must be in (0, 1]")
-    if cfg.window < 1:
-        problems.append("--window must be >= 1")
-    if cfg.teacher_iterations is not None and cfg.teacher_iterations < 1:
-        problems.append("--teacher-iterations must be >= 1")
-    for name in ("iterations", "batch_tasks", "max_turns", "max_response_tokens", "mini_batch", "opd_mini_batch",
-                 "token_budget", "ppo_epochs", "logprob_chunk"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.eval_episodes is not None and cfg.eval_episodes < 1:
-        problems.append("--eval-episodes must be >= 1 (leave it out for the whole panel)")
-    if cfg.history < 0:
-        problems.append("--history must be >= 0 (0: no past observations in the prompt)")
-    if cfg.keep_checkpoints < 1:
-        problems.append("--keep-checkpoints must be >= 1: --resume needs a checkpoint (--save-every 0 writes "
-                        "them only at phase ends and retirement)")
-    if cfg.save_every < 0:
-        problems.append("--save-every must be >= 0 (0: checkpoints only at phase ends and retirement)")
-    for name in ("clip_eps", "grad_clip", "success_reward"):
-        if getattr(cfg, name) <= 0:
-            problems.append(f"--{name.replace('_', '-')} must be > 0")
-    if cfg.eval_temperature < 0:
-        problems.append("--eval-temperature must be >= 0 (0: greedy)")
-    if cfg.prefill_batch < 0:
-        problems.append("--prefill-batch must be >= 0 (0: prefill every prompt in one forward)")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        problems.append(f"--device {cfg.device}: auto, cpu, cuda or cuda:N")
-    elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        problems.append(f"--device {cfg.device}: this torch sees no CUDA GPU (use --device cpu or auto)")
-    if cfg.temperature != 1.0:
-        problems.append("--temperature must be 1: the log-probs we train on are those of the full "
-                        "distribution at temperature 1 (use --eval-temperature for evaluation)")
-    if cfg.retire_at is not None and cfg.retire_at > cfg.iterations:
-        problems.append(f"--retire-at {cfg.retire_at} is after the last iteration ({cfg.iterations})")
-    for name in ("kl_coef", "opd_kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr", "weight_decay"):
-        if getattr(cfg, name) < 0:
-            problems.append(f"--{name.replace('_', '-')} must be >= 0")
-    if cfg.lr >= 1 or cfg.lr * cfg.weight_decay >= 1:  # AdamW: w <- w (1 - lr wd) - lr m/sqrt(v)
-        problems.append(f"--lr {cfg.lr} with --weight-decay {cfg.weight_decay}: an AdamW step moves each weight by "
-                        "about lr and multiplies it by 1 - lr * weight decay, so lr must be < 1 and lr * weight "
-                        "decay < 1 (the protocol's lr is 1e-6)")
-    algorithm = ALGORITHMS.get(cfg.algo)
-    if algorithm is not None and not algorithm.opd and cfg.teacher is not None:  # grpo, skill-grpo
-        trains = "a teacher and no student" if cfg.algo == "skill-grpo" else "a student without a teacher"
-        problems.append(f"--teacher: --algo {cfg.algo} trains {trains}, so it would not be used: drop it, or choose "
-                        "--algo retireopd, opd or grpo+opd")
-    if notes and algorithm is not None and cfg.teacher_success is not None and (
-            algorithm.retirement is None or cfg.retire_at is not None):  # merely unused: a note
-        print(f"[retireopd] note: --teacher-success only decides the adaptive retirement: --algo {cfg.algo}"
-              + (f" --retire-at {cfg.retire_at}" if cfg.retire_at is not None else "") + " does not use it")
-    if cfg.algo == "opd" and cfg.opd_coef == 0:
-        problems.append("--algo opd trains on lambda * L_OPD alone: --opd-coef must be > 0")
-    if cfg.dual_clip <= 1:
-        problems.append("--dual-clip must be > 1 (it caps the loss of a negative advantage at -c*A)")
-    if cfg.window >= 1 and not 1 <= cfg.eval_every <= cfg.window:  # (a bad --window is reported alone)
-        problems.append(f"--eval-every {cfg.eval_every}: must be between 1 and --window ({cfg.window}), so "
-                        "that every block of W iterations is judged at a validation")
-    if cfg.teacher_success is not None and not 0 < cfg.teacher_success <= 1:
-        problems.append("--teacher-success must be in (0, 1]")
-    if cfg.retire_at is not None and (cfg.algo != "retireopd" or cfg.retire_at < 1):
-        problems.append("--retire-at N needs --algo retireopd and N >= 1")
-    if cfg.teacher is not None and (problem := teacher_folder_problem(Path(cfg.teacher), cfg.env)):
-        problems.append(f"--teacher {problem}")
-    if cfg.webshop_reward not in ("faithful", "fixed"):
-        problems.append("--webshop-reward: faithful or fixed")
-    if cfg.env_workers < 0:
-        problems.append("--env-workers must be >= 0 (0: step ALFWorld in this process)")
-    elif notes and cfg.env_workers and cfg.env != "alfworld":
-        print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
-    if cfg.frozen_dtype not in ("float32", "bfloat16"):
-        problems.append("--frozen-dtype: float32 or bfloat16")
-    if cfg.loss_agg not in ("exact", "authors"):
-        problems.append("--loss-agg: exact (one token-mean per mini-batch) or authors (their micro-batch means)")
-    if cfg.micro_batch_rows < 1:
-        problems.append("--micro-batch-rows must be >= 1")
-    if cfg.report_to not in ("none", "tensorboard", "wandb"):
-        problems.append("--report-to: none, tensorboard or wandb")
-    if cfg.batch_tasks % world_size():
-        problems.append(f"--batch-tasks {cfg.batch_tasks}: under torchrun each of the {world_size()} processes "
-                        "plays whole groups, so it must be a multiple of --nproc_per_node")
-    known = cfg.model in MODEL_ALIASES or cfg.model == "tiny" or cfg.model.startswith("random:")
-    if not known and "/" not in cfg.model and not Path(cfg.model).is_dir():
-        problems.append(f"--model {cfg.model}: not a local folder, a hub id (org/name) or an alias "
-                        f"({', '.join([*MODEL_ALIASES, 'tiny'])}, random:<alias>)")
-    if cfg.model.startswith("random:") and cfg.model.split(":", 1)[1] not in QWEN25_SHAPES:
-        problems.append(f"--model {cfg.model}: random: takes one of {', '.join(QWEN25_SHAPES)}")
-    if problems:
-        raise SystemExit("retireopd: " + "\n".join(problems))
-
-
-# ==================================================================================================
-# 13. Memory: the estimate printed at start, and what is measured
-# ==================================================================================================
-
-
-def estimate_memory_gb(model, cfg: Config, n_frozen: int, skill_tokens: int = 0,
-                       device: Optional[torch.device] = None, processes: Optional[int] = None) -> dict:
-    """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB),
-    per process: `processes` ranks under torchrun (default: this run's, world_size()).
-
-    Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
-    moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
-    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of three
-    stages that never overlap (each frees its tensors before the next begins):
-      rollout: the KV cache of the lock-step batch at full length (keys fp32 under autocast,
-        values bf16; plus one layer, the copy each decode step's concatenation makes); the
-        prefill's temporaries, for prefill_batch rows (all B*G when 0) of the widest prompt:
-        one layer's working set per token (fp32 residual stream, its norm and the attention
-        output, 12 B per hidden unit; three bf16 MLP tensors, 6 B per intermediate unit) and
-        the boolean attention mask (width^2 B per row); sampling: three fp32 (B*G, vocab)
-        tensors per decode step (generate's logits and softmax, our log-softmax).
-      forward/backward: with gradient checkpointing one fp32 hidden state per layer per token
-        of a micro-batch plus one layer's working set; log-probs: one chunk of
-        vocabulary-sized fp32 logits and their softmax.
-      optimizer step: AdamW's temporaries: none when fused (CUDA), about one fp32 copy of the
-        parameters for the multi-tensor path (not used), two of the largest parameter's size for
-        the CPU loop.
-    With N > 1 processes (FSDP2): the 16 B/param and the frozen models are divided by N, and
-    autocast keeps no weight copy (its cache is off: the bf16 casts live one layer at a time; without
-    gradient checkpointing backward keeps every layer's, 2 B/param);
-    each rank plays B*G/N episodes; and two parts are whole on every rank: the sampling copy of
-    the policy (sampling_model: 2 B per Linear weight and 4 B per other weight on a GPU, 4 B on
-    CPU) and, during a forward or backward, the gathered weights and gradients (fp32) of two
-    decoder layers (the one computing and the one prefetched) and of the root (embeddings, lm_head).
-    device: where the run trains (default: the model's), which decides the AdamW path.
-    """
-    device = device or next(model.parameters()).device
-    processes = processes or world_size()
-    params = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
-    shape = model.config
-    hidden, intermediate, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
-    frozen_bytes = 2 if cfg.frozen_dtype == "bfloat16" else 4
-    per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
-    activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
-    sequences = cfg.batch_tasks * cfg.group_size // processes
-    head_dim = hidden // shape.num_attention_heads
-    prompt_width = cfg.max_prompt_tokens + skill_tokens
-    kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
-                * shape.num_key_value_heads * head_dim * (4 + 2))
-    prefill_rows = min(cfg.prefill_batch or sequences, sequences)
-    prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
-    largest = max(p.numel() for p in params) // processes
-    if device.type == "cuda":  # build_adamw: fused on CUDA
-        optimizer_temporaries = 0
-    else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
-        optimizer_temporaries = 2 * 4 * largest
-    sampling_copy = gathered = 0
-    if processes > 1:
-        head = model.get_output_embeddings()
-        linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
-                     for p in m.parameters())
-        sampling_copy = 2 * linear + 4 * (n_params - linear) if device.type == "cuda" else 4 * n_params
-        layer = sum(p.numel() for p in model.base_model.layers[0].parameters())
-        gathered = 8 * (2 * layer + n_params - layers * layer)
-    bf16_casts = 0 if cfg.gradient_checkpointing else 2 * n_params  # (sharded: kept for backward, whole)
-    parts = dict(policy_and_adam=(18 * n_params if processes == 1 else 16 * n_params / processes + bf16_casts),
-                 frozen_models=frozen_bytes * n_params * n_frozen / processes, sampling_copy=sampling_copy,
-                 kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
-                 activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12, gathered=gathered,
-                 optimizer_temporaries=optimizer_temporaries)
-    gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
-    stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
-              "forward_backward": gib["activations"] + gib["logits"] + gib["gathered"],
-              "optimizer_step": gib["optimizer_temporaries"]}
-    gib["peak_stage"] = max(stages, key=stages.get)
-    resident = gib["policy_and_adam"] + gib["frozen_models"] + gib["sampling_copy"]
-    gib["total"] = round(resident + stages[gib["peak_stage"]], 2)
-    gib["params_millions"] = round(n_params / 1e6, 2)
-    gib["processes"] = processes
-    return gib
-
-
-def format_memory_estimate(memory: dict) -> str:
-    """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
-    stages = {"rollout": ("kv_cache", "prefill", "sampling"),
-              "forward_backward": ("activations", "logits", "gathered"), "optimizer_step": ("optimizer_temporaries",)}
-    order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
-    described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]
-                                           if part != "gathered" or memory[part]) for stage in order]
-    copy = f" + sampling_copy {memory['sampling_copy']}" if memory["sampling_copy"] else ""
-    per_rank = f" per process of {memory['processes']}" if memory["processes"] > 1 else ""
-    return (f"{memory['total']} GiB{per_rank} = policy_and_adam {memory['policy_and_adam']} + frozen_models "
-            f"{memory['frozen_models']}{copy} + the largest stage ({'; '.join(described)}); "
-            f"{memory['params_millions']}M parameters")
-
-
-def print_memory_estimate(policy, cfg: Config, run: Run, phase: str, frozen: FrozenModels,
-                          skill_tokens: int = 0) -> None:
-    """Print (and log) the memory estimate before the phase allocates anything heavy."""
-    device = next(policy.parameters()).device
-    n_frozen = sum(model is not None for model in (frozen.teacher, frozen.reference))
-    memory = estimate_memory_gb(policy, cfg, n_frozen, skill_tokens, device)
-    print(f"[retireopd] {phase} memory estimate: {format_memory_estimate(memory)}")
-    if device.type == "cuda":
-        available = torch.cuda.get_device_properties(device).total_memory / 2**30
-        if memory["total"] > 0.95 * available:
-            print(f"[retireopd] WARNING: the estimate exceeds this GPU's {available:.0f} GiB: lower "
-                  "--token-budget, --max-prompt-tokens or --batch-tasks, or set --kl-coef 0")
-    run.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": memory, "device": str(device)})
-
-
-def process_memory_gb(field_name: str = "VmRSS") -> float:
-    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def current_memory_gb(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the
-    process's peak resident set (VmHWM; the process's peak so far where Linux refuses the reset)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return process_memory_gb("VmHWM")
-
-
-# ==================================================================================================
-# 14. Plot
-# ==================================================================================================
-
-
-def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
-    """One PNG for one or more runs. Top: success (thin lines: training episodes; dots: the
-    validation panel), the competence bar rho * S_T, the retirement. Bottom: the gap K per
-    phase-2 iteration, its block means (what the rule compares) and the k3 diagnostic.
-
-    matplotlib is optional: without it we say how to get the plot and return None.
-    """
-    missing = [str(d) for d in run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
-    if missing:
-        raise SystemExit(f"retireopd: no metrics.jsonl in {', '.join(missing)}: not a run folder")
-    configs = [json.loads((Path(d) / "config.json").read_text()) for d in run_dirs]
-    envs = sorted({c["env"] for c in configs})
-    title = (f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
-             else f"{len(run_dirs)} runs on {' and '.join(envs)}")
-    all_metrics = [read_jsonl(Path(d) / "metrics.jsonl") for d in run_dirs]
-    # phase 2 is drawn after phase 1 on one iteration axis: every run's phase 2 starts at the same
-    # place (a --algo grpo run, which has no phase 1, beside a RetireOPD student)
-    offset = max(sum(m["phase"] == "teacher" for m in metrics) for metrics in all_metrics)
-    try:  # (the logs are read first: logs that are not a run's are an error with or without matplotlib)
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[retireopd] no plot: `pip install matplotlib`, then `python retireopd.py --plot RUN_DIR`")
-        return None
-    fig, (ax_success, ax_gap) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
-    fig.suptitle(title, fontsize=10)
-    for n, (run_dir, metrics) in enumerate(zip(map(Path, run_dirs), all_metrics)):
-        color = f"C{n}"
-        label = run_dir.name if len(run_dirs) > 1 else "student"
-        teacher = [m for m in metrics if m["phase"] == "teacher"]
-        student = [m for m in metrics if m["phase"] == "student"]
-        before = {(e["phase"], e["skills"]): e["overall"] for e in read_jsonl(run_dir / "eval.jsonl")
-                  if e.get("before_training")}  # the validation before a phase's first update (iteration -1)
-        if teacher:
-            ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray", alpha=0.35, linewidth=1)
-            val = [(-1, before[("teacher", True)])] if ("teacher", True) in before else []
-            val += [(m["iteration"], m["val_success"]) for m in teacher if "val_success" in m]
-            ax_success.plot(*zip(*val), "o-", color="gray", markersize=4,
-                            label="teacher, with skills (phase 1)" if n == 0 else None)
-            for ax in (ax_success, ax_gap):
-                ax.axvline(offset - 0.5, color="black", linewidth=0.8, alpha=0.3)
-        ax_success.plot([offset + m["iteration"] for m in student], [m["success"] for m in student],
-                        color=color, alpha=0.35, linewidth=1)
-        val = [(offset - 1, before[("student", False)])] if ("student", False) in before else []
-        val += [(offset + m["iteration"], m["val_success"]) for m in student if "val_success" in m]
-        if val:
-            ax_success.plot(*zip(*val), "o-", color=color, markersize=4, label=f"{label}, no skills (phase 2)")
-        bar = [m["teacher_success"] for m in student if m.get("teacher_success")]
-        if bar:
-            ax_success.axhline(configs[n]["rho"] * bar[0], color=color, linestyle=":", linewidth=1,
-                               label="competence bar rho * S_T" if n == 0 else None)
-        with_gap = [m for m in student if "gap" in m]  # none without a teacher in phase 2
-        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap"] for m in with_gap], color=color,
-                    alpha=0.4, linewidth=1, label=None if not with_gap else f"{label}: K" if len(run_dirs) > 1
-                    else "K per iteration")
-        ax_gap.plot([offset + m["iteration"] for m in with_gap], [m["gap_k3"] for m in with_gap], color=color,
-                    linestyle="--", alpha=0.4, linewidth=1, label=None if len(run_dirs) > 1 else "k3 diagnostic")
-        window = configs[n]["window"]
-        blocks = [m for m in with_gap if "gap_block" in m]
-        for k, m in enumerate(blocks):
-            ax_gap.hlines(m["gap_block"], offset + m["iteration"] - window + 0.5, offset + m["iteration"] + 0.5,
-                          color=color, linewidth=2.5,
-                          label=(f"{label}: block means" if len(run_dirs) > 1 else f"block means of K (W = {window})")
-                          if k == 0 else None)
-        for event in read_jsonl(run_dir / "events.jsonl"):
-            if event.get("event") == "retirement":
-                for ax in (ax_success, ax_gap):
-                    ax.axvline(offset + event["retired_at"] - 0.5, color=color, linestyle="--")
-                ax_gap.annotate("teacher retired", (offset + event["retired_at"] - 0.5, 0), color=color,
-                                xycoords=("data", "axes fraction"), xytext=(3, 5), textcoords="offset points")
-    ax_success.set_ylim(-0.03, 1.03)
-    ax_success.set_ylabel("success (thin: training,\ndots: validation panel)")
-    ax_success.legend(fontsize=8)
-    ax_gap.set_ylabel("teacher-student gap\n(phase 2, while the teacher scores)")
-    ax_gap.set_xlabel("iteration (phase 1, then phase 2)")
-    ax_gap.xaxis.get_major_locator().set_params(integer=True)
-    ax_gap.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out or Path(run_dirs[0]) / ("compare.png" if len(run_dirs) > 1 else "plot.png"))
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
-
-
-# ==================================================================================================
-# 15. The built-in benchmark (--benchmark): our code paths against the plain Hugging Face ones
-# ==================================================================================================
-
-
-MEASURABLE_PEAK_GB = 0.01  # the benchmark's memory floor: below it a peak is noise, not a measurement
-
-
-def benchmark(cfg: Config, repeats: int = 3) -> dict:
-    """Time our rollout generation, update and log-probs against the plain Hugging Face calls on
-    the same inputs (interleaved repetitions, medians), with peak memory for the log-probs.
-
-    Ratios > 1 mean ours is faster (time) / leaner (memory is ours / plain: < 1 is leaner).
-    """
-    import statistics
-    device = pick_device(cfg.device)
-    model, tokenizer = load_policy(cfg.model, device, torch.float32, cfg.seed)
-    if cfg.gradient_checkpointing and device.type == "cuda":
-        model.activation_checkpointing_enable()
-    rng = random.Random(cfg.seed)
-    words = ["go to cabinet", "open drawer", "take mug", "click[b0fsh00001]", "search[red shoes]"]
-    prompts = [encode_prompt(tokenizer, build_user_message(
-        "alfworld", "put a clean mug in the coffeemachine", 0, [], "You arrive at countertop 1. " * rng.randint(2, 20),
-        [f"{rng.choice(words)} {k}" for k in range(rng.randint(5, 40))]))
-        for _ in range(cfg.batch_tasks * cfg.group_size)]
-    n_new = cfg.max_response_tokens
-    samples = [TurnSample(0, i, p, [rng.randrange(len(tokenizer)) for _ in range(n_new)], False)
-               for i, p in enumerate(prompts)]
-    timings: dict = {name: [] for name in ("ours_generate", "plain_generate", "ours_update",
-                                           "plain_update", "ours_logprob", "plain_logprob")}
-    memory = {"ours_logprob": [], "plain_logprob": []}
-    optimizer = build_adamw(model, dataclasses.replace(cfg, lr=0.0))  # lr 0: measure without moving
-
-    def plain_generate():
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-        with autocast(device):
-            out = model.generate(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(),
-                                 do_sample=True, max_new_tokens=n_new, top_k=0, top_p=1.0,
-                                 pad_token_id=tokenizer.pad_token_id)
-        return int((out[:, width:] != tokenizer.pad_token_id).sum())
-
-    def plain_batch():
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        ids = torch.full((len(samples), width), tokenizer.pad_token_id, device=device)
-        for b, s in enumerate(samples):
-            ids[b, : len(s.prompt_ids) + n_new] = torch.tensor(s.prompt_ids + s.response_ids)
-        return ids, (ids != tokenizer.pad_token_id).long()
-
-    def plain_logprobs(ids, mask):  # the naive path: full (batch, seq, vocab) float32 log-softmax
-        with autocast(device):
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        return torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-    def plain_update():
-        model.train()
-        ids, mask = plain_batch()
-        logp = plain_logprobs(ids, mask)
-        (-(logp * mask[:, 1:]).sum() / mask.sum()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return int(mask.sum())
-
-    def time_stage(name, fn):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        timings[name].append((time.perf_counter() - start, result))
-
-    old = [torch.zeros(n_new) for _ in samples]
-    advantages = [torch.ones(n_new) for _ in samples]
-    for _ in range(repeats):
-        model.eval()
-        time_stage("ours_generate", lambda: sum(len(r.ids) for r in generate(model, tokenizer, prompts, n_new, 1.0,
-                                                                              prefill_batch=cfg.prefill_batch)))
-        time_stage("plain_generate", plain_generate)
-        time_stage("ours_update", lambda: ppo_update(model, optimizer, samples, old, advantages, cfg,
-                                                     mini_batch=cfg.mini_batch)["trained_tokens"])
-        time_stage("plain_update", plain_update)
-        for name, fn in (("ours_logprob", lambda: response_logprobs(model, samples, cfg)),
-                         ("plain_logprob", lambda: plain_logprobs(*plain_batch()))):
-            gc.collect()
-            base = current_memory_gb(device)
-            reset_peak_memory(device)
-            with torch.no_grad():
-                time_stage(name, lambda: (fn(), len(samples) * n_new)[1])
-            memory[name].append(peak_memory_gb(device) - base)
-    median = {name: statistics.median(t for t, _ in runs) for name, runs in timings.items()}
-    peak = {name: statistics.median(v) for name, v in memory.items()}
-    tokens = {name: runs[-1][1] for name, runs in timings.items()}
-    per_s = {name: tokens[name] / median[name] for name in median}
-    report = {
-        "model": cfg.model, "device": str(device), "sequences": len(prompts), "new_tokens": n_new,
-        "tokens_per_s": {k: round(v, 1) for k, v in per_s.items()},
-        "rollout_speed_ratio": round(per_s["ours_generate"] / per_s["plain_generate"], 3),
-        "update_speed_ratio": round(per_s["ours_update"] / per_s["plain_update"], 3),
-        "logprob_speed_ratio": round(median["plain_logprob"] / median["ours_logprob"], 3),
-        "logprob_peak_gb": {k: round(v, 4) for k, v in peak.items()},
-        # a ratio of two peaks near the measurement's noise (CPU resident-set changes) means
-        # nothing, and can even be negative: none below the floor
-        "logprob_memory_ratio": round(peak["ours_logprob"] / peak["plain_logprob"], 4)
-        if min(peak.values()) >= MEASURABLE_PEAK_GB else None,
-    }
-    return report
-
-
-# ==================================================================================================
-# 16. main
-# ==================================================================================================
-
-
-def print_benchmark(report: dict, run_dir: Path) -> None:
-    """Print the benchmark's table (tokens/s, medians) and write its report to RUN_DIR/benchmark.json."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
-    speed = report["tokens_per_s"]
-    print(f"benchmark of {report['model']} on {report['device']} (tokens/s, medians; "
-          f"also in {run_dir / 'benchmark.json'})\n"
-          f"  {'stage':<10}{'ours':>12}{'plain':>12}{'ours/plain':>12}")
-    for stage, ratio in (("generate", "rollout_speed_ratio"), ("update", "update_speed_ratio"),
-                         ("logprob", "logprob_speed_ratio")):
-        print(f"  {stage:<10}{speed['ours_' + stage]:>12.0f}{speed['plain_' + stage]:>12.0f}"
-              f"{report[ratio]:>12.2f}")
-    peak, ratio = report["logprob_peak_gb"], report["logprob_memory_ratio"]
-    print(f"  log-prob peak memory (GiB): ours {peak['ours_logprob']}, plain {peak['plain_logprob']}, "
-          + (f"ratio {ratio}" if ratio is not None else
-             f"no ratio: a peak below {MEASURABLE_PEAK_GB} GiB is too small to measure (use a model with "
-             "the real vocabulary, e.g. random:small-vocab151k)"))
+def show_prompts(cfg: Config) -> None:
+    """--show-prompts: the student's prompt s_t and the teacher's s_t^T at the first turn of the validation
+    panel's first task, decoded from their token ids with the special tokens (the chat template), as the
+    model reads them. Nothing is written, and no model is loaded: only the tokenizer."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as scratch:  # (ALFWorld's fixture games are written there)
+        suite = TaskSuite(dataclasses.replace(cfg, run_dir=scratch))
+        task = suite.validation_panel[0]
+        episode = EpisodeState(suite.new_episode(task), group=0)
+        start_episodes([episode])
+        if cfg.model == "tiny" or cfg.model.startswith("random:"):
+            import tiny
+            tokenizer = tiny.build_tiny_tokenizer()
+        else:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_name(cfg.model))
+        student, teacher, _ = episode_prompts(tokenizer, episode, cfg, skill_text(cfg.env, episode.task_type))
+        close_episodes([episode])
+        suite.close()
+    for who, ids in (("student (s_t)", student), ("teacher (s_t^T: the same, plus the skill block)", teacher)):
+        print(f"===== {who}: {len(ids)} tokens, {cfg.model}, --env {cfg.env}, task {episode.task!r} =====")
+        print(tokenizer.decode(ids))
 
 
 def main(argv: Optional[list] = None) -> Optional[Path]:
+    import tools  # the plot, the benchmark, the dashboards (their packages are imported only when asked for)
     args = vars(build_parser().parse_args(argv))
     resume_dir, plot_dir, compare = args.pop("resume"), args.pop("plot"), args.pop("compare")
     if plot_dir or compare:
         try:
-            out = plot_runs([plot_dir] if plot_dir else compare)
+            out = tools.plot_runs([plot_dir] if plot_dir else compare)
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
             raise SystemExit(f"retireopd: cannot draw {', '.join([plot_dir] if plot_dir else compare)}: their logs are "
                              f"not a run's of this script ({type(error).__name__}: {error})") from None
         print(f"[retireopd] wrote {out}" if out else "")
         return out
-    run_benchmark = args.pop("benchmark")
+    run_benchmark, prompts_only = args.pop("benchmark"), args.pop("show_prompts")
     cfg = resume_config(resume_dir, args) if resume_dir else parse_config(args)
+    if prompts_only:
+        if problem := checks.model_source_problem(cfg.model):
+            raise SystemExit(f"retireopd: {problem}")
+        show_prompts(cfg)
+        return None
     if resume_dir and any(e.get("event") == "done" for e in read_jsonl(Path(resume_dir) / "events.jsonl")):
         print(f"[retireopd] {resume_dir} already finished: nothing to resume (its outputs are there)")
         return Path(resume_dir)
-    if problem := model_source_problem(cfg.model):  # before the data and before anything is written
+    if problem := checks.model_source_problem(cfg.model):  # before the data and before anything is written
         raise SystemExit(f"retireopd: {problem}")
-    if problem := Tracker.problem(cfg.report_to):
+    if problem := tools.Tracker.problem(cfg.report_to):
         raise SystemExit(f"retireopd: {problem}")
-    if run_benchmark and world_size() > 1:
+    if run_benchmark and multigpu.world_size() > 1:
         raise SystemExit("retireopd: --benchmark runs in one process: start it with python, not torchrun")
     # one process per run folder: rank 0 locks it (under torchrun the other ranks wait in start_processes)
-    created = check_run_folder(cfg.run_dir, resuming=bool(resume_dir)) if main_process() else []
+    created = checks.check_run_folder(cfg.run_dir, resuming=bool(resume_dir)) if multigpu.main_process() else []
     if run_benchmark:
-        print_benchmark(benchmark(cfg), Path(cfg.run_dir))
+        tools.print_benchmark(tools.benchmark(cfg), Path(cfg.run_dir))
         return Path(cfg.run_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = start_processes(cfg)  # the device; under torchrun also the process group
+    device = multigpu.start_processes(cfg)  # the device; under torchrun also the process group
     try:  # data problems surface here, in one line, before any model is loaded
         suite = TaskSuite(cfg)
     except (FileNotFoundError, ValueError) as error:
-        give_back_run_folder(cfg.run_dir, created)
+        checks.give_back_run_folder(cfg.run_dir, created)
         raise SystemExit(f"retireopd: {error}") from None
     except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
-        give_back_run_folder(cfg.run_dir, created)
+        checks.give_back_run_folder(cfg.run_dir, created)
         data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
         raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
                          "a file lacks a field or has another shape than the benchmark's") from None
-    run = Run(cfg, run_inputs(cfg, suite))
+    run = Run(cfg, checks.run_inputs(cfg, suite))
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
     # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.
     checkpoint, state = run.resumable_checkpoint() if resume_dir else (None, None)
-    if state is not None and state.get("world_size", 1) != world_size():
+    if state is not None and state.get("world_size", 1) != multigpu.world_size():
         raise SystemExit(f"retireopd: {checkpoint} was written by {state.get('world_size', 1)} process(es): resume "
                          f"it with as many (torchrun --nproc_per_node {state.get('world_size', 1)}, or python for 1)")
     if resume_dir:
@@ -3715,12 +2318,12 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
               f"{cfg.save_every or cfg.iterations} iterations): starting it over")
     print(f"[retireopd] {cfg.algo} on {cfg.env} ({len(suite.train)} training tasks, validation panel of "
           f"{len(suite.validation_panel)}, report panel of {len(suite.report_panel)}) with {cfg.model} on "
-          f"{device}" + (f" and {world_size() - 1} more process(es)" if world_size() > 1 else "")
+          f"{device}" + (f" and {multigpu.world_size() - 1} more process(es)" if ddp else "")
           + f"; run folder {run.dir}")
 
-    if cfg.report_to != "none" and main_process():  # the live dashboard (rank 0 reports)
-        redone = tracker_step(cfg, state["phase"], state["iteration"] + 1) if state else 0  # a resume's first step
-        run.tracker = Tracker(cfg, run.dir, run.run_id, purge_step=redone if resume_dir else None)
+    if cfg.report_to != "none" and multigpu.main_process():  # the live dashboard (rank 0 reports)
+        redone = tools.tracker_step(cfg, state["phase"], state["iteration"] + 1) if state else 0  # a resume's first step
+        run.tracker = tools.Tracker(cfg, run.dir, run.run_id, purge_step=redone if resume_dir else None)
     models = Models(cfg, run, device, checkpoint, state)
     del state  # Models holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
     train(cfg, suite, run, models)
@@ -3728,11 +2331,11 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
     if run.tracker is not None:
         run.tracker.close()
-    stop_processes()
-    if not main_process():
+    multigpu.stop_processes()
+    if not multigpu.main_process():
         return run.dir
-    release_run_folders()
-    plot = plot_runs([run.dir])
+    checks.release_run_folders()
+    plot = tools.plot_runs([run.dir])
     print(f"[retireopd] summary: {run_summary(run.dir)}")
     print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"
           + (f"; plot {plot}" if plot else ""))
@@ -3745,7 +2348,7 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as interrupt:
-        launcher = f"torchrun --nproc_per_node {world_size()}" if world_size() > 1 else "python"
+        launcher = f"torchrun --nproc_per_node {multigpu.world_size()}" if ddp else "python"
         resume = f"{launcher} retireopd.py --resume {shlex.quote(str(Run.latest))}"
         how = (f"stopped by {signal.Signals(interrupt.signum).name} {interrupt.where}"
                if isinstance(interrupt, Stopped) else "interrupted")

@@ -36,7 +36,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import checks
+import multigpu
 import retireopd as R
+import tiny as built_in_models  # (the name `tiny` is the fixture of the tiny model)
+import tools
 
 torch.set_num_threads(1)  # tiny tensors: threading overhead only adds noise
 
@@ -1062,7 +1066,7 @@ def test_webshop_data_error_names_the_flag(tmp_path):
 
 def test_help_says_which_defaults_the_tiny_preset_replaces():
     helps = {action.dest: action.help for action in R.build_parser()._actions}
-    for name, value in R.TINY_PRESET.items():
+    for name, value in built_in_models.TINY_PRESET.items():
         default = R.Config.__dataclass_fields__[name].default
         assert f"[default: {default}; tiny: {value}]" in helps[name].replace("%%", "%"), name
     assert helps["seed"].endswith("[default: 0]")  # a flag the preset leaves alone says nothing about tiny
@@ -1742,12 +1746,12 @@ def test_read_jsonl_drops_only_a_cut_last_line(tmp_path):
 def test_saved_model_problem_finds_a_half_written_safetensors_file(tiny, tmp_path):
     model, tok = tiny
     folder = R.Run(small_cfg(run_dir=str(tmp_path))).save_model(model, tok, "student")
-    assert R.saved_model_problem(folder) is None
+    assert checks.saved_model_problem(folder) is None
     cut_in_half(folder / "model.safetensors")
-    assert "model.safetensors is cut short" in R.saved_model_problem(folder)
+    assert "model.safetensors is cut short" in checks.saved_model_problem(folder)
     with open(folder / "model.safetensors", "r+b") as f:  # cut inside its header
         f.truncate(20)
-    assert "header is incomplete" in R.saved_model_problem(folder)
+    assert "header is incomplete" in checks.saved_model_problem(folder)
 
 
 def test_unwritable_run_folders_are_one_line_errors_before_anything_runs(tmp_path):
@@ -1825,7 +1829,7 @@ try:
 except SystemExit as stop:
     message = str(stop.code)
 left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-kept_whole = all(R.saved_model_problem(run_dir / "checkpoints" / name) is None for name in left)
+kept_whole = all(checks.saved_model_problem(run_dir / "checkpoints" / name) is None for name in left)
 ballast.unlink(missing_ok=True)  # make room again, then resume
 resource.setrlimit(resource.RLIMIT_FSIZE, soft_limit)
 R.main(["--resume", str(run_dir)])
@@ -1887,31 +1891,31 @@ def test_tracker_records_are_the_log_lines_numbers_at_one_step_across_the_phases
     cfg = R.Config(model="tiny", iterations=4, teacher_iterations=3)
     line = {"phase": "student", "iteration": 1, "success": 0.5, "retired": True, "gap": None, "phase_note": "x",
             "nested": {"a": 2, "b": {"c": False}}}
-    assert R.tracker_record(cfg, "metrics.jsonl", line) == (5, {  # phase 1's 3 updates, then phase 2's 2nd
+    assert tools.tracker_record(cfg, "metrics.jsonl", line) == (5, {  # phase 1's 3 updates, then phase 2's 2nd
         "student/success": 0.5, "student/retired": 1.0, "student/nested/a": 2.0, "student/nested/b/c": 0.0})
-    assert R.tracker_record(cfg, "metrics.jsonl", {"phase": "teacher", "iteration": 2, "loss": -1}) == (
+    assert tools.tracker_record(cfg, "metrics.jsonl", {"phase": "teacher", "iteration": 2, "loss": -1}) == (
         3, {"teacher/loss": -1.0})
     validation = {"phase": "teacher", "iteration": 0, "panel": "validation", "dorl": 1.0, "overall": 0.25, "n": 4,
                   "skills": True, "seed": 12345, "temperature": 0.4}
-    assert R.tracker_record(cfg, "eval.jsonl", validation) == (1, {
+    assert tools.tracker_record(cfg, "eval.jsonl", validation) == (1, {
         "teacher/validation_skills/dorl": 1.0, "teacher/validation_skills/overall": 0.25,
         "teacher/validation_skills/n": 4.0, "teacher/validation_skills/seed": 12345.0,
         "teacher/validation_skills/temperature": 0.4})
     report = {"phase": "student", "iteration": 3, "panel": "report", "overall": 1.0, "skills": False}
-    assert R.tracker_record(cfg, "eval.jsonl", report) == (7, {"student/report_no_skills/overall": 1.0})
+    assert tools.tracker_record(cfg, "eval.jsonl", report) == (7, {"student/report_no_skills/overall": 1.0})
     before = {"phase": "teacher", "iteration": -1, "panel": "validation", "overall": 0.0, "skills": False,
               "before_training": True}  # the validation before any update: step 0, never a negative one
-    assert R.tracker_record(cfg, "eval.jsonl", before) == (0, {"teacher/validation_no_skills/overall": 0.0})
+    assert tools.tracker_record(cfg, "eval.jsonl", before) == (0, {"teacher/validation_no_skills/overall": 0.0})
     retirement = {"event": "retirement", "rule": "adaptive", "retired_at": 2, "decided_after_iteration": 1,
                   "judged_block": 0.2, "progress": -1.0, "competence": 1.1, "val_success": 0.9, "criterion_valid": True}
-    assert R.tracker_record(cfg, "events.jsonl", retirement) == (5, {
+    assert tools.tracker_record(cfg, "events.jsonl", retirement) == (5, {
         "student/retirement/retired_at": 2.0, "student/retirement/judged_block": 0.2,
         "student/retirement/progress": -1.0, "student/retirement/competence": 1.1,
         "student/retirement/val_success": 0.9, "student/retirement/criterion_valid": 1.0})
     for event in ({"event": "done", "wall_s": 3.0}, {"event": "memory_estimate", "phase": "phase 1", "gib": {}}):
-        assert R.tracker_record(cfg, "events.jsonl", event) is None
+        assert tools.tracker_record(cfg, "events.jsonl", event) is None
     grpo = R.dataclasses.replace(cfg, algo="grpo")  # no phase 1: phase 2's validation before training is step 0
-    assert R.tracker_record(grpo, "metrics.jsonl", {"phase": "student", "iteration": 1})[0] == 2
+    assert tools.tracker_record(grpo, "metrics.jsonl", {"phase": "student", "iteration": 1})[0] == 2
 
 
 @pytest.mark.parametrize("tracker,module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
@@ -2056,7 +2060,7 @@ def stand_in_hub(known=()):
 def hub(monkeypatch, tmp_path):
     """point(url): this process's Hugging Face hub is at url (None: HF_HUB_OFFLINE), its cache empty."""
     import huggingface_hub
-    clear = getattr(getattr(R, "hub_answer", None), "cache_clear", lambda: None)
+    clear = checks.hub_answer.cache_clear
 
     def point(url):
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url or "https://huggingface.co")
@@ -2086,7 +2090,7 @@ def test_model_problems_are_one_line_in_seconds_before_anything_is_written(tmp_p
     with stand_in_hub(known={"org/model"}) as url:
         hub(url)
         assert "no model nonexistent/path on the Hugging Face hub" in failure("nonexistent/path")
-        assert R.model_source_problem("org/model") is None  # with network: from_pretrained downloads as usual
+        assert checks.model_source_problem("org/model") is None  # with network: from_pretrained downloads as usual
     hub(closed_port_url())
     message = failure("Qwen2.5-1.5B")
     assert "cannot reach the Hugging Face hub" in message
@@ -2117,7 +2121,7 @@ def test_hf_hub_offline_is_honoured_and_a_cached_model_loads_while_the_hub_is_un
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
     load = ("import time, torch, retireopd as R; start = time.time(); "
-            "assert R.model_source_problem('retireopd-test/tiny') is None; "
+            "assert checks.model_source_problem('retireopd-test/tiny') is None; "
             "R.load_policy('retireopd-test/tiny', torch.device('cpu'), torch.float32); print(time.time() - start)")
     done = subprocess.run([sys.executable, "-c", load], cwd=Path(__file__).parent, capture_output=True, text=True,
                           timeout=300, env={**env, "HF_ENDPOINT": closed_port_url()})
@@ -2170,7 +2174,7 @@ def test_readme_code_map_names_real_code_and_the_method_sits_above_the_banner():
     import ast
     import re
     source = (Path(__file__).parent / "retireopd.py").read_text()
-    banner = next(n for n, line in enumerate(source.splitlines(), 1) if line.startswith("# Everything below is plumbing"))
+    banner = next(n for n, line in enumerate(source.splitlines(), 1) if line.startswith("# The method ends here"))
     defined = {getattr(node, "name", None) or ast.unparse(node.targets[0]): node.lineno
                for node in ast.parse(source).body if hasattr(node, "name") or isinstance(node, ast.Assign)}
     table = (Path(__file__).parent / "README.md").read_text().split("## Paper → code map")[1].split("\n## ")[0]
@@ -2191,7 +2195,7 @@ def test_plot_is_written_or_explained_without_matplotlib(tmp_path, monkeypatch, 
         out = R.main(["--compare", str(run_a), str(run_b)])
         assert out == run_a / "compare.png" and out.stat().st_size > 10_000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert R.plot_runs([run_a]) is None
+    assert tools.plot_runs([run_a]) is None
     assert "pip install matplotlib" in capsys.readouterr().out
 
 
@@ -2203,7 +2207,7 @@ def test_compare_is_titled_with_every_environment_and_lines_up_phase_two(tmp_pat
     run_b, _, _ = run_cli(tmp_path, "b", "--env", "kitchen", "--algo", "grpo")  # phase 2 only
     figures = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
-    R.plot_runs([run_a, run_b])
+    tools.plot_runs([run_a, run_b])
     (figure,) = figures
     assert figure._suptitle.get_text() == "2 runs on kitchen and webshop"
     # the validation dots of each student start where phase 2 starts: after the longest phase 1 (the GRPO
@@ -2233,7 +2237,7 @@ def test_benchmark_runs_and_writes_its_report(tmp_path, capsys):
 
 def _meta_model(alias):
     """The real architecture on the meta device: parameter counts and shapes, no memory."""
-    shape = R.QWEN25_SHAPES[alias]
+    shape = built_in_models.QWEN25_SHAPES[alias]
     with torch.device("meta"):
         return R.transformers.Qwen2ForCausalLM(R.transformers.Qwen2Config(**shape))
 
@@ -2242,25 +2246,25 @@ def test_memory_estimate_counts_the_prefill_and_the_optimizer_temporaries(tmp_pa
     model = _meta_model("Qwen2.5-1.5B")  # hidden 1536, intermediate 8960, 28 layers, 2 KV heads of 128
     cfg = R.parse_config({"model": "random:Qwen2.5-1.5B", "env": "webshop", "run_dir": str(tmp_path)})
     assert (cfg.batch_tasks * cfg.group_size, cfg.prefill_batch, cfg.max_prompt_tokens) == (128, 16, 4096)
-    cuda = R.estimate_memory_gb(model, cfg, n_frozen=1, skill_tokens=1024, device=torch.device("cuda"))
+    cuda = tools.estimate_memory_gb(model, cfg, n_frozen=1, skill_tokens=1024, device=torch.device("cuda"))
     # prefill: 16 rows x 5120 tokens x (12*1536 + 6*8960 + 5120 mask) B = 6,333,399,040 B = 5.90 GiB
     assert cuda["prefill"] == 5.9
     # all 128 rows at once: 8x the rows, 47.19 GiB
-    one_shot = R.estimate_memory_gb(model, R.dataclasses.replace(cfg, prefill_batch=0), 1, 1024, torch.device("cuda"))
+    one_shot = tools.estimate_memory_gb(model, R.dataclasses.replace(cfg, prefill_batch=0), 1, 1024, torch.device("cuda"))
     assert one_shot["prefill"] == 47.19
     # fused AdamW on CUDA: no temporaries; the CPU loop: sqrt(v) and its quotient for the
     # 151936 x 1536 embedding, 2 x 4 x 233,373,696 B = 1.74 GiB
-    cpu = R.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cpu"))
+    cpu = tools.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cpu"))
     assert (cuda["optimizer_temporaries"], cpu["optimizer_temporaries"]) == (0, 1.74)
     # the stages never overlap: resident + the largest (here the rollout)
     rollout = cuda["kv_cache"] + cuda["prefill"] + cuda["sampling"]
     assert cuda["peak_stage"] == "rollout" and rollout > cuda["activations"] + cuda["logits"]
     assert cuda["total"] == round(cuda["policy_and_adam"] + cuda["frozen_models"] + rollout, 2)
     run = R.Run(R.dataclasses.replace(cfg, run_dir=str(tmp_path)))
-    R.print_memory_estimate(model, cfg, run, "phase 1", R.FrozenModels(reference=model), skill_tokens=1024)
+    tools.print_memory_estimate(model, cfg, run, "phase 1", R.FrozenModels(reference=model), skill_tokens=1024)
     (event,) = R.read_jsonl(tmp_path / "events.jsonl")
     assert event["event"] == "memory_estimate" and event["gib"] == cpu
-    text = R.format_memory_estimate(cpu)
+    text = tools.format_memory_estimate(cpu)
     assert f"{cpu['total']} GiB" in text and "prefill 5.9" in text and "optimizer_temporaries 1.74" in text
 
 
@@ -2593,7 +2597,7 @@ def test_skills_in_phase_one_prompts_and_evals_and_S_T_over_last_window(tmp_path
     monkeypatch.setattr(R, "train_phase", train_phase)
     trained, real_update = [], R.ppo_update
     monkeypatch.setattr(R, "ppo_update", lambda model, opt, samples, *a, **k: (
-        trained.append("Skills for this task" in R.build_tiny_tokenizer().decode(samples[0].prompt_ids)),
+        trained.append("Skills for this task" in built_in_models.build_tiny_tokenizer().decode(samples[0].prompt_ids)),
         real_update(model, opt, samples, *a, **k))[1])
     run_dir, _, _ = run_cli(tmp_path, "skills", "--env", "webshop", "--window", "2")
     assert trained == [True] * 3 + [False] * 3          # phase 1 trains on s_t^T, phase 2 on s_t
@@ -2706,23 +2710,23 @@ def test_kitchen_panels_cover_every_dish_and_are_not_trained_on():
 
 def test_warm_start_teaches_reading_and_other_dishes_never_the_demo_recipes():
     rng, hits = random.Random(0), Counter()
-    known = set(R.WARM_START_RECIPES)
-    assert not known & set(R.KITCHEN_RECIPES) and not known & set(R.WARM_START_UNKNOWN)
+    known = set(built_in_models.WARM_START_RECIPES)
+    assert not known & set(R.KITCHEN_RECIPES) and not known & set(built_in_models.WARM_START_UNKNOWN)
     for _ in range(4000):
         kind = rng.choice(("short", "skills", "known", "unknown"))
-        message, answer = R.warm_start_example(rng, kind)
+        message, answer = built_in_models.warm_start_example(rng, kind)
         action = R.action_from_answer(answer)
         if kind in ("short", "skills"):  # reading: the answer is what the recipe in the prompt says
             named = re.search(r"Recipe for a \w+: (\w+) it", message).group(1).lower()
             assert action.split()[0] == named
         if kind == "known":
-            assert action.split()[0] in {*R.WARM_START_RECIPES[action.split()[-1]]}
+            assert action.split()[0] in {*built_in_models.WARM_START_RECIPES[action.split()[-1]]}
         dish = action.split()[-1]
         if dish in R.KITCHEN_RECIPES:  # a demo dish: its true step comes up at chance
             assert kind != "known"
             hits[R.KITCHEN_RECIPES[dish][0] == action.split()[0] or R.KITCHEN_RECIPES[dish][1] == action.split()[0]] += 1
     assert 0.14 < hits[True] / sum(hits.values()) < 0.19  # 1 in 6, a seasoning or a way to cook
-    known = list(R.WARM_START_RECIPES.values())  # the known dishes favour no seasoning and no way to cook
+    known = list(built_in_models.WARM_START_RECIPES.values())  # the known dishes favour no seasoning and no way to cook
     assert Counter(i for i, _ in known) == Counter({i: 2 for i in R.KITCHEN_INGREDIENTS})
     assert Counter(m for _, m in known) == Counter({m: 2 for m in R.KITCHEN_METHODS})
 
@@ -2737,7 +2741,7 @@ def demo_episodes(model, tok, suite, tasks, cfg):
 def tiny_base(tmp_path_factory):
     """The demo's warm-started base model (RUN_DIR/tiny_base of `--model tiny`), built once."""
     cfg = R.parse_config({"model": "tiny", "run_dir": str(tmp_path_factory.mktemp("base") / "run")})
-    return Path(R.warm_started_tiny_base(R.Run(cfg), torch.device("cpu"), cfg.warm_start))
+    return Path(built_in_models.warm_started_tiny_base(R.Run(cfg), torch.device("cpu"), cfg.warm_start))
 
 
 @pytest.fixture(scope="module")
@@ -2883,10 +2887,11 @@ process (python), or sharded over the processes of torchrun, each holding its pa
 import random, sys
 import torch
 sys.path.insert(0, sys.argv[2])
+import multigpu
 import retireopd as R
 
 torch.set_num_threads(1)
-if R.world_size() > 1:
+if multigpu.world_size() > 1:
     torch.distributed.init_process_group("gloo")
 cfg = R.Config(model="tiny", env="webshop", token_budget=48, entropy_coef=0.001, kl_coef=0.0, ppo_epochs=2, lr=1e-3)
 device = torch.device("cpu")
@@ -2900,19 +2905,19 @@ batch = [R.TurnSample(group=g, episode=g, prompt_ids=[rng.randrange(1000) for _ 
 for sample in batch:
     sample.teacher_prompt_ids = [5, 6] + sample.prompt_ids
 advantages = [torch.full((len(s.response_ids),), a) for s, a in zip(batch, (1.0, -0.5, 0.3, -1.2, 0.8, 0.1, -0.4))]
-mine = slice(0, 5) if R.rank() == 0 else slice(5, 7)  # rank 0 holds 5 samples, rank 1 two
-if R.world_size() > 1:
-    R.shard(policy, device), R.shard(teacher, device)
+mine = slice(0, 5) if multigpu.rank() == 0 else slice(5, 7)  # rank 0 holds 5 samples, rank 1 two
+if multigpu.world_size() > 1:
+    multigpu.shard(policy, device), multigpu.shard(teacher, device)
     batch, advantages = batch[mine], advantages[mine]
 old_logp = R.response_logprobs(policy, batch, cfg)
 teacher_logp = R.response_logprobs(teacher, batch, cfg, teacher_prompt=True)
 optimizer = R.build_adamw(policy, cfg)
 stats = R.ppo_update(policy, optimizer, batch, old_logp, advantages, cfg, mini_batch=3, teacher_logp=teacher_logp,
                      opd_coef=0.1, rng=random.Random(0))
-weights = R.full_state_dict(policy) or {k: v.detach() for k, v in policy.named_parameters()}
-if R.main_process():
+weights = multigpu.full_state_dict(policy) or {k: v.detach() for k, v in policy.named_parameters()}
+if multigpu.main_process():
     torch.save({"weights": weights, "stats": stats}, sys.argv[1])
-R.stop_processes()
+multigpu.stop_processes()
 '''
 
 
@@ -3029,8 +3034,8 @@ def test_a_killed_two_process_run_resumes_as_if_never_stopped(tmp_path):
 def test_memory_estimate_per_process_under_torchrun():
     model = _meta_model("Qwen2.5-1.5B")  # 1,543,714,304 parameters; the tied embedding 151936 x 1536
     cfg = R.parse_config({"model": "random:Qwen2.5-1.5B", "env": "webshop", "run_dir": "/tmp/unused"})
-    one = R.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cuda"))
-    four = R.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cuda"), processes=4)
+    one = tools.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cuda"))
+    four = tools.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cuda"), processes=4)
     assert (one["processes"], one["sampling_copy"], one["gathered"]) == (1, 0, 0)  # one process: as before
     # weights, gradient and AdamW moments sharded: 16 B x 1,543,714,304 / 4 = 6,174,857,216 B = 5.75 GiB
     # (no bf16 weight copy: autocast's cache is off); the frozen model's 4 B/param / 4 = 1.44 GiB
@@ -3038,28 +3043,28 @@ def test_memory_estimate_per_process_under_torchrun():
     # the sampling copy, whole on every rank: 2 B x 1,310,253,056 Linear weights + 4 B x 233,461,248 others
     # (embedding, norms) = 3,554,351,104 B = 3.31 GiB (4 B/param on CPU: 5.75)
     assert four["sampling_copy"] == 3.31
-    assert R.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cpu"), processes=4)["sampling_copy"] == 5.75
+    assert tools.estimate_memory_gb(model, cfg, 1, 1024, torch.device("cpu"), processes=4)["sampling_copy"] == 5.75
     # gathered in a forward/backward, weights and gradients in fp32: 8 B x (2 layers x 46,797,824 + the root's
     # 233,375,232: embedding and final norm) = 2,615,767,040 B = 2.44 GiB
     assert four["gathered"] == 2.44
     # each rank plays 128 / 4 = 32 episodes: a quarter of the KV cache (7.48 GiB), the same 16-row prefill
     assert four["kv_cache"] == round(one["kv_cache"] / 4, 2) == 7.48 and four["prefill"] == one["prefill"]
     assert four["total"] == round(5.75 + 1.44 + 3.31 + four["kv_cache"] + four["prefill"] + four["sampling"], 2)
-    assert "per process of 4" in R.format_memory_estimate(four) and "sampling_copy 3.31" in R.format_memory_estimate(four)
+    assert "per process of 4" in tools.format_memory_estimate(four) and "sampling_copy 3.31" in tools.format_memory_estimate(four)
 
 
 def test_one_process_helpers_change_nothing():
-    assert (R.world_size(), R.rank(), R.main_process()) == (1, 0, True)
+    assert (multigpu.world_size(), multigpu.rank(), multigpu.main_process()) == (1, 0, True)
     tasks = list(range(8))
-    assert R.share_of_tasks(tasks) == tasks
+    assert multigpu.share_of_tasks(tasks) == tasks
     samples = [R.TurnSample(0, 0, [1], [2, 3], False), R.TurnSample(0, 1, [1], [4], False)]
-    assert R.global_batch(samples) == (0, [2, 1])
+    assert multigpu.global_batch(samples) == (0, [2, 1])
     idle = []
-    assert list(R.in_lockstep([[0], [1]], lambda: idle.append(1))) == [[0], [1]] and idle == []
-    assert R.sum_over_ranks(1, 2.5) == [1, 2.5] and R.max_over_ranks(3) == 3 and R.all_ranks(True)
-    assert torch.equal(R.cat_over_ranks([torch.ones(2), torch.zeros(1)]), torch.tensor([1.0, 1.0, 0.0]))
+    assert list(multigpu.in_lockstep([[0], [1]], lambda: idle.append(1))) == [[0], [1]] and idle == []
+    assert multigpu.sum_over_ranks(1, 2.5) == [1, 2.5] and multigpu.max_over_ranks(3) == 3 and multigpu.all_ranks(True)
+    assert torch.equal(multigpu.cat_over_ranks([torch.ones(2), torch.zeros(1)]), torch.tensor([1.0, 1.0, 0.0]))
     model, _ = R.load_policy("tiny", torch.device("cpu"), torch.float32)
-    assert R.sampling_model(model) is model and R.full_state_dict(model) is None and not R.sharded(model)
+    assert multigpu.sampling_model(model) is model and multigpu.full_state_dict(model) is None and not multigpu.sharded(model)
 
 
 def test_batch_tasks_must_split_into_whole_groups_under_torchrun(monkeypatch, tmp_path):

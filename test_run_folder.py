@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checks
 import retireopd as R
 import webshop_env
 from test_retireopd import QUICK, crash_instead_of_saving, phases
@@ -69,11 +70,11 @@ def test_a_trainer_pt_that_would_run_code_is_set_aside_and_nothing_of_it_runs(tm
 
 
 def test_a_trainer_state_must_hold_what_a_checkpoint_writes():
-    whole = {key: 0 for key in R.TRAINER_STATE_KEYS} | {"phase": "student", "optimizer": {}, "val_successes": []}
-    assert R.trainer_state_problem(whole) is None
-    assert "lacks run_id" in R.trainer_state_problem({k: v for k, v in whole.items() if k != "run_id"})
-    assert "names no iteration" in R.trainer_state_problem({**whole, "phase": "x"})
-    assert "holds a list" in R.trainer_state_problem([1, 2])
+    whole = {key: 0 for key in checks.TRAINER_STATE_KEYS} | {"phase": "student", "optimizer": {}, "val_successes": []}
+    assert checks.trainer_state_problem(whole) is None
+    assert "lacks run_id" in checks.trainer_state_problem({k: v for k, v in whole.items() if k != "run_id"})
+    assert "names no iteration" in checks.trainer_state_problem({**whole, "phase": "x"})
+    assert "holds a list" in checks.trainer_state_problem([1, 2])
 
 
 # --- 2. one process per run folder --------------------------------------------------------------------
@@ -218,16 +219,16 @@ def test_a_non_finite_model_is_neither_loaded_nor_saved_and_logs_hold_no_nan(tmp
         "loss": None, "terms": [1.0, None]}
 
 
-def test_iterations_whose_every_step_is_skipped_are_said_and_three_in_a_row_stop(tmp_path, capsys):
-    run = R.Run(R.parse_config({"model": "tiny", "env": "webshop", "run_dir": str(tmp_path / "run")}))
+def test_iterations_whose_every_step_is_skipped_are_said_and_three_in_a_row_stop(capsys):
     skipped = {"phase": "student", "optimizer_steps": 0, "skipped_steps": 2}
-    run.note_skipped_steps({**skipped, "iteration": 0})
-    assert "student iteration 0: all 2 optimizer steps were skipped" in capsys.readouterr().out
-    run.note_skipped_steps({**skipped, "iteration": 1, "optimizer_steps": 1})  # a step taken: the count restarts
-    run.note_skipped_steps({**skipped, "iteration": 2})
-    run.note_skipped_steps({**skipped, "iteration": 3})
+    streak = checks.note_skipped_steps({**skipped, "iteration": 0}, 0)
+    assert streak == 1 and "student iteration 0: all 2 optimizer steps were skipped" in capsys.readouterr().out
+    streak = checks.note_skipped_steps({**skipped, "iteration": 1, "optimizer_steps": 1}, streak)  # a step taken
+    assert streak == 0  # the count restarts
+    streak = checks.note_skipped_steps({**skipped, "iteration": 2}, streak)
+    streak = checks.note_skipped_steps({**skipped, "iteration": 3}, streak)
     with pytest.raises(SystemExit, match="3 iterations in a row \\(up to student iteration 4\\)"):
-        run.note_skipped_steps({**skipped, "iteration": 4})
+        checks.note_skipped_steps({**skipped, "iteration": 4}, streak)
 
 
 # --- 7. a broken game is an error, never an empty episode ----------------------------------------------
@@ -305,10 +306,10 @@ def test_a_bad_stored_S_T_is_a_damaged_teacher_in_one_line(tmp_path, stored, sai
 def test_a_cut_retireopd_json_is_reported_as_damaged_not_missing(tmp_path):
     teacher = save_teacher(tmp_path / "t")
     (teacher / "retireopd.json").write_text('{"teacher_succ')
-    assert "retireopd.json is damaged (JSONDecodeError)" in R.teacher_folder_problem(teacher, "webshop")
+    assert "retireopd.json is damaged (JSONDecodeError)" in checks.teacher_folder_problem(teacher, "webshop")
     (teacher / "model.safetensors").unlink()  # a teacher folder that is not a model
     (teacher / "retireopd.json").write_text(json.dumps({"teacher_success": 0.5, "env": "webshop"}))
-    assert "is not a whole model folder (no .safetensors weights)" in R.teacher_folder_problem(teacher, "webshop")
+    assert "is not a whole model folder (no .safetensors weights)" in checks.teacher_folder_problem(teacher, "webshop")
 
 
 # --- 10. signals -----------------------------------------------------------------------------------------
@@ -372,9 +373,10 @@ def test_the_remaining_tracebacks_are_one_line(tmp_path, monkeypatch):
 def test_advice_fits_the_failure(tmp_path):
     import errno
     run = R.Run(R.parse_config({"model": "tiny", "env": "webshop", "run_dir": str(tmp_path / "run")}))
-    too_big = run.write_failure("metrics.jsonl", OSError(errno.EFBIG, "File too large"))
+    too_big = checks.write_failure(run.dir, "metrics.jsonl", OSError(errno.EFBIG, "File too large"))
     assert "ulimit -f" in too_big and "free some space" not in too_big
-    assert "free some space" in run.write_failure("metrics.jsonl", OSError(errno.ENOSPC, "No space left on device"))
+    full = checks.write_failure(run.dir, "metrics.jsonl", OSError(errno.ENOSPC, "No space left on device"))
+    assert "free some space" in full
 
 
 @pytest.mark.slow

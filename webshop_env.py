@@ -97,6 +97,26 @@ DATA_HELP = (
 SKILL_CATEGORY = {"beauty": "beauty", "grocery": "food", "fashion": "fashion",
                   "garden": "furniture", "electronics": "electronics"}
 
+# The skills of WebShop: short strategy notes per skill block, written by us (the privileged information
+# of self-OPD). Only the teacher sees them: in phase 1 while it trains, in phase 2 when it scores the
+# student's tokens (retireopd.py, skill_text).
+WEBSHOP_SKILLS = {
+    "general": [
+        "Search with the product type and its two or three most specific attributes; leave out the "
+        "price, quantity words and filler.",
+        "On the results page, open the item whose title matches the product type and most attributes "
+        "and whose price is below the budget; use next > only if none fits.",
+        "On the item page, click every option the instruction names (size, colour, flavour, count), "
+        "choosing the value that matches exactly; options are not shown as selected, so click each once.",
+        "Check the price against the budget, then click buy now. Do not buy a different product type.",
+    ],
+    "beauty": ["Match scent, size in ounces and 'paraben free'/'natural' style claims in the title."],
+    "food": ["Match flavour, pack count and dietary words (gluten free, sugar free, keto) exactly."],
+    "fashion": ["Match the exact size label (large vs x-large, 8 vs 8 wide) and the colour name."],
+    "furniture": ["Match the material, colour and dimensions; a 'set of 2' must say so in the title."],
+    "electronics": ["Match the device it is for, the capacity and the connector type in the title."],
+}
+
 # The built-in catalogue. One row per product:
 # (asin, category, query, product_category, title, pricing text, description,
 #  bullet points, options {name: [values] or None}, attributes,
@@ -1253,6 +1273,33 @@ def benchmark(data_dir=None, queries=None):
             "search_median_ms": 1000 * latencies[len(latencies) // 2],
             "search_p95_ms": 1000 * latencies[int(0.95 * (len(latencies) - 1))],
             "step_median_ms": 1000 * step_times[len(step_times) // 2]}
+
+
+class WebShopAdapter:
+    """One WebShop episode on a shared catalogue, in retireopd.py's environment interface:
+    reset() -> (observation, info), step(action) -> (observation, reward, done, info).
+
+    The prompt shows webshop_env's compact observation (the page after the instruction, each
+    segment quoted) and its admissible actions. Won = the purchase scored exactly 1.0; the
+    reward slot is that score.
+    """
+
+    def __init__(self, shop, goal_index: int):
+        self.env = WebShopEnv(shop)
+        self.goal_index = goal_index
+
+    def _info(self, info: dict, won: bool = False) -> dict:
+        return {"task": self.instruction, "task_type": self.category, "admissible": info["admissible"],
+                "won": won, **{k: info[k] for k in ("score", "valid") if k in info}}
+
+    def reset(self):
+        _, info = self.env.reset(self.goal_index)
+        self.instruction, self.category = info["instruction"], info["category"]
+        return info["compact_obs"], self._info(info)
+
+    def step(self, action: str):
+        _, score, done, info = self.env.step(action)
+        return info["compact_obs"], score, done, self._info(info, bool(info.get("won", False)))
 
 
 def _main(argv):

@@ -1,0 +1,603 @@
+"""The checks that keep a run honest and its folder safe, and the repairs of a damaged run folder.
+
+Each check answers before anything is written, in one line that says what to do: bad flags
+(validate_config), a model that cannot be loaded (model_source_problem), a teacher that cannot teach
+this run (teacher_folder_problem, teacher_fit_problem), a run folder that another process holds or that
+holds another run (check_run_folder). The repairs keep a run resumable after a crash, a kill or a full
+disk: a cut checkpoint is set aside, a lost run.json is restored from the checkpoints, a failed write
+says what is kept and what to do. retireopd.py calls these at its edges; the method never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import functools
+import hashlib
+import json
+import math
+import os
+import pickle
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+import multigpu
+import retireopd as R
+
+
+RUN_IDENTITY = "run.json"  # what a run folder holds: written when the run starts, kept by --resume
+
+
+RUN_ENTRIES = (RUN_IDENTITY, "config.json", "metrics.jsonl", "events.jsonl", "eval.jsonl", "checkpoints",
+               "teacher", "student")  # any of these: the folder holds a run (of any version of this script)
+
+
+def holds_a_run(folder: Path) -> bool:
+    return any((Path(folder) / name).exists() for name in RUN_ENTRIES)
+
+
+# ==================================================================================================
+# The run folder: one process per folder, and no mixing of runs
+# ==================================================================================================
+
+
+def check_run_folder(run_dir: str, resuming: bool) -> list:
+    """Take the run folder, or refuse it in one line before anything is written: one that another
+    process is using (lock_run_folder), one that holds another run (unless resuming it; a run that
+    stopped before its first iteration is cleared instead), a file, or a place where nothing can be
+    written (a read-only or full disk, a name too long). The write test leaves no trace."""
+    folder = Path(run_dir)
+    missing = []
+    try:
+        blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise SystemExit(f"retireopd: --run-dir {run_dir}: {blocking} is a file, not a folder")
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".retireopd-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        for created in missing:
+            with contextlib.suppress(OSError):
+                created.rmdir()
+        advice = {errno.ENOSPC: "the disk is full: free some space there" + (
+                      ", then resume" if resuming else ", or choose a folder on another disk"),
+                  errno.EDQUOT: "your disk quota is used up: free some of it, or choose a folder elsewhere",
+                  errno.ENAMETOOLONG: "a name in that path is longer than the filesystem allows: choose a shorter "
+                                      "one"}.get(error.errno, "choose one on a writable disk")
+        raise SystemExit(f"retireopd: --run-dir {run_dir}: cannot create or write a folder there "
+                         f"({error.strerror or error}): {advice}") from None
+    lock_existed = (folder / LOCK_FILE).exists()
+    lock_run_folder(folder)
+    if not resuming and holds_a_run(folder):
+        if not stopped_before_its_first_iteration(folder):
+            if not lock_existed:  # (a folder of an older version: left as it was)
+                give_back_run_folder(run_dir, [])
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+            raise SystemExit(f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose "
+                             "another `--run-dir`")
+        for name in (*RUN_ENTRIES, *RUN_ARTEFACTS):
+            path = folder / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained "
+              "or saved): cleared, and this run starts there")
+    name_the_holder(folder)
+    return missing
+
+
+def give_back_run_folder(run_dir: str, created: list) -> None:
+    """A start that failed before the run wrote anything: unlock the folder, and remove the lock file and
+    the folders this start created, when they hold nothing else (nothing then blocks the next start)."""
+    folder = Path(run_dir)
+    lock = folder / LOCK_FILE
+    if (handle := HELD_LOCKS.pop(str(lock.resolve()), None)) is not None:
+        handle.close()
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+        lock.unlink(missing_ok=True)
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+LOCK_FILE = ".retireopd.lock"  # in the run folder; its flock is held by the process that runs there
+RUN_ARTEFACTS = ("tiny_base", "tiny_base.tmp", "alfworld_fixtures", "tensorboard", "wandb", "plot.png")
+HELD_LOCKS: dict = {}  # run folder -> its open lock file; the kernel releases the lock when this process ends
+
+
+def lock_run_folder(folder: Path) -> None:
+    """One process per run folder: an exclusive flock on RUN_DIR/.retireopd.lock, taken before the folder
+    is checked and held until this process ends (a crash or SIGKILL releases it too). The file names
+    the holder, for the one-line refusal of a second start or of a --resume of a live run. A filesystem
+    without locks (some network disks) gets a note: the folder is then not guarded."""
+    import fcntl
+    path = folder / LOCK_FILE
+    if str(path.resolve()) in HELD_LOCKS:  # this process holds it already (main called again, as tests do)
+        return
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process (it is starting)"
+        handle.close()
+        raise SystemExit(f"retireopd: {folder} is in use by {holder}: one process per run folder; wait for it to "
+                         f"end (or stop it), then `--resume {folder}` continues the run") from None
+    except OSError as error:
+        print(f"[retireopd] note: {folder}'s filesystem cannot lock files ({error.strerror}): nothing keeps a "
+              "second process out of this run folder")
+    HELD_LOCKS[str(path.resolve())] = handle
+
+
+def name_the_holder(folder: Path) -> None:
+    """Write who holds the folder's lock into the lock file (once the folder is taken: a refused start
+    leaves it as it was), for the refusal another start will print."""
+    handle = HELD_LOCKS.get(str((folder / LOCK_FILE).resolve()))
+    if handle is not None:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                     f"(`{shlex.join(sys.argv)[:300]}`)")
+        handle.flush()
+
+
+def release_run_folders() -> None:
+    """Let other processes use the run folders this one held (at the end of main; exiting does it too)."""
+    while HELD_LOCKS:
+        HELD_LOCKS.popitem()[1].close()
+
+
+def stopped_before_its_first_iteration(folder: Path) -> bool:
+    """A run folder whose start failed after run.json was written (a teacher that does not fit, a
+    model that does not load): our run.json, and no iteration, evaluation, checkpoint or saved model."""
+    try:
+        if "run_id" not in json.loads((folder / RUN_IDENTITY).read_text()):
+            return False
+    except (OSError, ValueError, TypeError):
+        return False
+    progress = [name for name in ("metrics.jsonl", "eval.jsonl") if R.read_jsonl(folder / name)]
+    return not progress and not any((folder / name).exists() for name in ("checkpoints", "teacher", "student"))
+
+
+# ==================================================================================================
+# What a run reads: a resume must read the same (run.json's inputs)
+# ==================================================================================================
+
+
+def run_inputs(cfg: R.Config, suite: R.TaskSuite) -> dict:
+    """What decides what a run trains and validates on, as resolved values: the data folder, the model,
+    the teacher, and a fingerprint of the tasks (the training pool and both panels; WebShop: their
+    goals' text; ALFWorld: the games' paths below the data root). A resume that would differ is refused."""
+    def task_text(task):
+        if cfg.env == "webshop":
+            return suite.shop.goals[task]["instruction_text"]
+        return os.path.relpath(task, suite.root) if cfg.env == "alfworld" else str(task)
+    tasks = [[task_text(t) for t in pool] for pool in (suite.train, suite.validation_panel, suite.report_panel)]
+    data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env, "built in")
+    return {"data": data, "model": cfg.model, "teacher": cfg.teacher, "train_tasks": len(suite.train),
+            "panels": [len(suite.validation_panel), len(suite.report_panel)],
+            "tasks_sha256": hashlib.sha256(json.dumps(tasks).encode()).hexdigest()[:16]}
+
+
+# ==================================================================================================
+# Damaged files, and the repairs that keep a run resumable
+# ==================================================================================================
+
+
+def saved_model_problem(folder: Path) -> Optional[str]:
+    """Why a saved model folder is not whole, or None. Every .json file must parse and every
+    .safetensors file must be as long as its header says: a file cut short by a crash or a full
+    disk fails one of them. Cheap: the weights themselves are not read."""
+    weights = sorted(folder.glob("*.safetensors"))
+    if not (folder / "config.json").is_file() or not weights:
+        return "no config.json" if weights else "no .safetensors weights"
+    for path in sorted(folder.glob("*.json")):
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return f"{path.name} is cut short or damaged"
+    for path in weights:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(header_size)) if 8 + header_size <= size else None
+            except (ValueError, UnicodeDecodeError):
+                header = None
+        try:
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (AttributeError, KeyError, TypeError, IndexError):  # (a list or a string is no header either)
+            return f"{path.name} is cut short (its header is incomplete)"
+        if size < 8 + header_size + end:
+            return f"{path.name} is cut short ({size} of {8 + header_size + end} bytes)"
+    return None
+
+
+TRAINER_STATE_KEYS = ("phase", "iteration", "optimizer", "python_rng", "rng", "world_size", "val_successes",
+                      "retirement", "run_id")
+
+
+def trainer_state_problem(state) -> Optional[str]:
+    """Why a loaded trainer.pt cannot continue a run, or None: it must hold what checkpoint_phase writes."""
+    if not isinstance(state, dict):
+        return f"trainer.pt holds a {type(state).__name__}, not the trainer's state"
+    missing = [key for key in TRAINER_STATE_KEYS if key not in state]
+    if missing:
+        return f"trainer.pt lacks {', '.join(missing)}"
+    if state["phase"] not in R.PHASES or not isinstance(state["iteration"], int) or state["iteration"] < 0:
+        return f"trainer.pt names no iteration of a phase ({state['phase']!r}, {state['iteration']!r})"
+    if not isinstance(state["val_successes"], list) or not isinstance(state["optimizer"], dict):
+        return "trainer.pt's validations or optimizer state are not what a checkpoint writes"
+    return None
+
+
+def tensors_in(value) -> list:
+    """Every tensor in a nested structure of dicts, lists and tuples (a trainer state)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [tensor for item in items for tensor in tensors_in(item)]
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def run_identity(folder: Path, cfg: R.Config, inputs: Optional[dict]) -> dict:
+    """The folder's run.json: which run it holds (an id, when it started, what it runs, and `inputs`, what
+    it trains and validates on). Read when it exists (a resumed run keeps its id), written otherwise.
+    Checkpoints carry the id, so a run.json that is missing or damaged is restored from them (the
+    damaged one is kept as run.json.corrupt): the checkpoints are never discarded for want of it. A
+    resume whose inputs differ from the run's is refused (same_inputs)."""
+    path = folder / RUN_IDENTITY
+    with contextlib.suppress(OSError, ValueError):
+        identity = json.loads(path.read_text())
+        if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
+            return same_inputs(identity, inputs, folder)
+    damaged = path.exists()
+    if damaged:
+        os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
+    identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
+                "inputs": inputs}
+    for checkpoint in reversed(R.checkpoint_folders(folder)):  # the newest whose trainer state names its run
+        with contextlib.suppress(Exception):
+            identity.update(run_id=str(R.read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
+                            restored_from=checkpoint.name)
+            print(f"[retireopd] note: {path} was {'damaged (kept as run.json.corrupt)' if damaged else 'missing'}: "
+                  f"restored from checkpoint {checkpoint.name} (run {identity['run_id']})")
+            break
+    R.write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
+    return same_inputs(identity, inputs, folder)
+
+
+def same_inputs(identity: dict, inputs: Optional[dict], folder: Path) -> dict:
+    """A resume must read what the run read (run_inputs): refuse it in one line if not, and record the
+    inputs of a run.json that lacks them (restored from a checkpoint, or written by an older version)."""
+    if inputs is None or identity.get("inputs") == inputs:
+        return identity
+    if identity.get("inputs") is not None:
+        changed = [f"{key} {identity['inputs'].get(key)} -> {value}" for key, value in inputs.items()
+                   if identity["inputs"].get(key) != value]
+        raise SystemExit(f"retireopd: --resume {folder} would not train on what the run started with ("
+                         + "; ".join(changed) + "): restore those (a data folder, an environment "
+                         "variable), or start a new run")
+    identity = {**identity, "inputs": inputs}
+    R.write_text_atomically(folder / RUN_IDENTITY, json.dumps(identity, indent=2) + "\n")
+    return identity
+
+
+def first_resumable_checkpoint(run_dir: Path, run_id: str) -> tuple[Optional[Path], Optional[dict]]:
+    """(the newest whole checkpoint of this run, its trainer state), or (None, None). One that is damaged (a
+    file cut short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a note, and
+    the one before it is tried."""
+    for folder in reversed(R.checkpoint_folders(run_dir)):
+        problem, state = saved_model_problem(folder), None
+        if problem is None:
+            try:
+                state = R.read_trainer_state(folder)
+                problem = trainer_state_problem(state)
+            except pickle.UnpicklingError:  # weights_only refused it
+                problem = "trainer.pt asks to build objects that are not data (a pickle can run code): not loaded"
+            except Exception as error:  # cut short, missing, not a torch file
+                problem = "trainer.pt does not load: " + (str(error).strip().splitlines() or ["?"])[0]
+        if problem is None and state.get("run_id", run_id) != run_id:
+            problem = f"it belongs to run {state['run_id']}, this folder holds run {run_id}"
+        if problem is None:
+            return folder, state
+        aside = folder.with_name(folder.name + ".corrupt")
+        shutil.rmtree(aside, ignore_errors=True)
+        folder.rename(aside)
+        print(f"[retireopd] note: checkpoint {folder.name} is not usable ({problem}): set aside as "
+              f"{aside.name}; trying the one before it")
+    return None, None
+
+
+def write_failure(run_dir: Path, name: str, error: Exception) -> str:
+    """The one line of a write into the run folder that failed (a full disk, a quota): what, why,
+    what is kept, what to do."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    free = shutil.disk_usage(run_dir).free
+    newest = (R.checkpoint_folders(run_dir) or [None])[-1]
+    needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
+    code = getattr(error, "errno", None) or next(  # safetensors says "... (os error 27)"
+        (int(n) for n in re.findall(r"os error (\d+)", reason)), None)
+    full = code == errno.ENOSPC or "No space left" in reason or (free < needed and code != errno.EFBIG)
+    kept = (f"the last checkpoint, {newest.name}, is kept: `--resume {run_dir}` continues from it" if newest
+            else "no checkpoint was written yet")
+    fewer = ("keep fewer checkpoints or write them less often with --keep-checkpoints and --save-every (--resume "
+             "accepts new values of both)")
+    advice = {errno.EFBIG: "a limit on the size of one file stopped it (`ulimit -f` shows it): raise that limit",
+              errno.EDQUOT: f"your disk quota is used up: free some of it, or {fewer}"}.get(
+                  code, f"free some space, or {fewer}" if full else "check that the folder is writable")
+    return (f"retireopd: could not write {run_dir / name} ({'the disk is full: ' if full else ''}{reason}; "
+            f"{format_bytes(free)} free there" + (f", a checkpoint takes {format_bytes(needed)}" if needed else "")
+            + f"); {kept}; {advice}")
+
+
+SKIPPED_ITERATIONS_TO_STOP = 3  # iterations in a row whose every optimizer step was skipped
+
+def note_skipped_steps(record: dict, streak: int) -> int:
+    """An iteration whose every optimizer step was skipped (a non-finite loss or gradient) says so;
+    SKIPPED_ITERATIONS_TO_STOP of them in a row stop the run: it is no longer training. Returns the
+    new count of such iterations in a row."""
+    all_skipped = record.get("skipped_steps", 0) > 0 and record.get("optimizer_steps", 0) == 0
+    streak = streak + 1 if all_skipped else 0
+    if not all_skipped:
+        return streak
+    where = f"{record['phase']} iteration {record['iteration']}"
+    if streak >= SKIPPED_ITERATIONS_TO_STOP:
+        raise SystemExit(f"retireopd: every optimizer step of {streak} iterations in a row (up to "
+                         f"{where}) was skipped: the loss or its gradient is not finite, so the run is no longer "
+                         "training; start again with a lower --lr (the checkpoints hold the weights before)")
+    tqdm.write(f"[retireopd] note: {where}: all {record['skipped_steps']} optimizer steps were skipped (a "
+               "non-finite loss or gradient); the weights did not change")
+    return streak
+
+
+# ==================================================================================================
+# Models and teachers: what cannot be loaded, or cannot teach this run
+# ==================================================================================================
+
+
+HUB_TIMEOUT_S = 5  # the one question asked of the hub before loading: answered or given up quickly, no retries
+
+
+OFFLINE_MODELS = "tiny or random:<alias> (no download needed)"
+
+
+def hub_model_cached(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds repo_id's config and weights (loadable without network)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    try:
+        cached = [isinstance(try_to_load_from_cache(repo_id, name), str)
+                  for name in ("config.json", "model.safetensors", "model.safetensors.index.json")]
+    except HFValidationError:  # not a hub id at all
+        return False
+    return cached[0] and (cached[1] or cached[2])
+
+
+@functools.lru_cache(maxsize=None)
+def hub_answer(repo_id: str) -> str:
+    """What the Hugging Face hub says about repo_id, asked once per process with a short timeout and
+    no retries: "found", "missing", "offline" (HF_HUB_OFFLINE is set) or "unreachable: <why>"."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "offline"
+    try:
+        huggingface_hub.HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except RepositoryNotFoundError:  # (also a private or gated one without the right login)
+        return "missing"
+    except HfHubHTTPError:  # another answer (a server error, a mirror without this API): loading will tell
+        return "found"
+    except Exception as error:  # no network, no name resolution, a refused or timed-out connection, a proxy
+        return "unreachable: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return "found"
+
+
+def model_source_problem(name: str) -> Optional[str]:
+    """Why --model `name` cannot be loaded, in one line that says what to do, or None. Decided in
+    seconds and before anything is written: a local folder must hold a config.json, a hub id must
+    be in the Hugging Face cache or known to the hub (asked once, HUB_TIMEOUT_S). With network
+    nothing else changes: from_pretrained downloads as usual."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+    if name == "tiny" or name.startswith("random:"):
+        return None
+    source = R.resolve_model_name(name)
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            return (f"--model {name}: {folder} has no config.json, so it is not a Hugging Face model folder (a run's "
+                    "teacher/ or student/ is one)")
+        if not any(folder.glob("*.safetensors")):
+            return (f"--model {name}: {folder} has no .safetensors weights (we load no pickled .bin weights: a "
+                    "pickle can run code); convert them, or pass another folder")
+        return None if (problem := saved_model_problem(folder)) is None else f"--model {name}: {folder}: {problem}"
+    if folder.exists():
+        return f"--model {name}: {folder} is a file; pass the folder that holds the model and its config.json"
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:  # written as a path, not as org/name
+        return (f"--model {name}: no such folder; pass a folder that holds a Hugging Face model (config.json), "
+                f"a hub id (org/name), or use {OFFLINE_MODELS}")
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return f"--model {name}: neither a local folder nor a hub id (org/name); or use {OFFLINE_MODELS}"
+    if hub_model_cached(source):
+        return None
+    answer, cache = hub_answer(source), constants.HF_HUB_CACHE
+    if answer == "missing":
+        return (f"--model {name}: no local folder {source} and no model {source} on the Hugging Face hub: check "
+                f"the name (org/name) or the folder's path (a private or gated model needs `hf auth login`)")
+    if answer == "offline":
+        return (f"--model {name}: {source} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+                f"download it once with network, pass a local model folder, or use {OFFLINE_MODELS}")
+    if answer.startswith("unreachable"):
+        return (f"--model {name}: cannot reach the Hugging Face hub at {constants.ENDPOINT} ({answer[13:]}) and "
+                f"{source} is not in its cache ({cache}): connect to the network, pass a local model folder, or use "
+                f"{OFFLINE_MODELS}; HF_HUB_OFFLINE=1 loads cached models without asking the hub")
+    return None
+
+
+def teacher_folder_problem(folder: Path, env: str) -> Optional[str]:
+    """Why a saved phase-1 teacher cannot teach a run on `env`, or None: it must have been written by
+    phase 1 of this script (retireopd.json: S_T in [0, 1] and the environment) on the same
+    environment, and be a model folder (config.json and weights; their vocabulary is checked against
+    the student's when phase 2 loads it, teacher_fit_problem)."""
+    record = folder / "retireopd.json"
+    if not record.is_file():
+        return (f"{folder}: no retireopd.json (the stored teacher success rate) in that folder; pass a folder "
+                "written by phase 1 of this script")
+    try:
+        stored = json.loads(record.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        return f"{record} is damaged ({type(error).__name__}): not a teacher this script wrote"
+    success = stored.get("teacher_success") if isinstance(stored, dict) else None
+    if isinstance(success, bool) or not isinstance(success, (int, float)) or not 0 <= success <= 1:
+        return (f"{record} is damaged: its teacher_success (S_T) is {success!r}, not a number in [0, 1]"
+                if isinstance(stored, dict) and "teacher_success" in stored else
+                f"{record} is damaged: it holds no teacher_success (S_T)")
+    if stored.get("env") != env:
+        return f"{folder} was trained on {stored.get('env')}, this run is --env {env}"
+    if problem := saved_model_problem(folder):
+        return f"{folder} is not a whole model folder ({problem})"
+    return None
+
+
+def teacher_fit_problem(teacher, teacher_dir: Path, student, tokenizer) -> Optional[str]:
+    """Why a teacher cannot score the student's tokens, or None: the same vocabulary (the size of the
+    output layer, and the tokenizer's token -> id map). A teacher trained from the student's base
+    model always fits."""
+    sizes = (teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
+    if sizes[0] != sizes[1]:
+        return f"the teacher in {teacher_dir} has a vocabulary of {sizes[0]} tokens, the student {sizes[1]}"
+    teacher_tokenizer = transformers.AutoTokenizer.from_pretrained(str(teacher_dir))
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        return f"the teacher in {teacher_dir} has another tokenizer than the student (the same token ids mean " \
+               "other text)"
+    return None
+
+
+# ==================================================================================================
+# Flags: each bad one fails here in one line, before any model is loaded
+# ==================================================================================================
+
+
+def validate_config(cfg: R.Config, notes: bool = True) -> None:
+    """Bad flags fail here, in one line each, before any model is loaded (and flags that are merely unused
+    get a note, unless `notes` is False: a resume said them when the run started)."""
+    not_finite = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}: must be a finite number"
+                  for f in dataclasses.fields(R.Config)
+                  if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
+    if not_finite:  # (NaN passes every `< 0` below: nothing else is judged until these are fixed)
+        raise SystemExit("retireopd: " + "\n".join(not_finite))
+    problems = []
+    if cfg.algo not in R.ALGOS:
+        problems.append(f"--algo {cfg.algo!r}: choose one of {', '.join(R.ALGOS)}")
+    if cfg.env not in R.ENVS:
+        problems.append(f"--env {cfg.env!r}: choose alfworld, webshop or kitchen")
+    if cfg.group_size < 2:
+        problems.append("--group-size must be >= 2: GRPO normalises within a group")
+    if not 0 < cfg.rho <= 1:
+        problems.append("--rho must be in (0, 1]")
+    if cfg.window < 1:
+        problems.append("--window must be >= 1")
+    if cfg.teacher_iterations is not None and cfg.teacher_iterations < 1:
+        problems.append("--teacher-iterations must be >= 1")
+    for name in ("iterations", "batch_tasks", "max_turns", "max_response_tokens", "mini_batch", "opd_mini_batch",
+                 "token_budget", "ppo_epochs", "logprob_chunk"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.eval_episodes is not None and cfg.eval_episodes < 1:
+        problems.append("--eval-episodes must be >= 1 (leave it out for the whole panel)")
+    if cfg.history < 0:
+        problems.append("--history must be >= 0 (0: no past observations in the prompt)")
+    if cfg.keep_checkpoints < 1:
+        problems.append("--keep-checkpoints must be >= 1: --resume needs a checkpoint (--save-every 0 writes "
+                        "them only at phase ends and retirement)")
+    if cfg.save_every < 0:
+        problems.append("--save-every must be >= 0 (0: checkpoints only at phase ends and retirement)")
+    for name in ("clip_eps", "grad_clip", "success_reward"):
+        if getattr(cfg, name) <= 0:
+            problems.append(f"--{name.replace('_', '-')} must be > 0")
+    if cfg.eval_temperature < 0:
+        problems.append("--eval-temperature must be >= 0 (0: greedy)")
+    if cfg.prefill_batch < 0:
+        problems.append("--prefill-batch must be >= 0 (0: prefill every prompt in one forward)")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        problems.append(f"--device {cfg.device}: auto, cpu, cuda or cuda:N")
+    elif cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"--device {cfg.device}: this torch sees no CUDA GPU (use --device cpu or auto)")
+    if cfg.temperature != 1.0:
+        problems.append("--temperature must be 1: the log-probs we train on are those of the full "
+                        "distribution at temperature 1 (use --eval-temperature for evaluation)")
+    if cfg.retire_at is not None and cfg.retire_at > cfg.iterations:
+        problems.append(f"--retire-at {cfg.retire_at} is after the last iteration ({cfg.iterations})")
+    for name in ("kl_coef", "opd_kl_coef", "entropy_coef", "opd_coef", "malformed_penalty", "lr", "weight_decay"):
+        if getattr(cfg, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if cfg.lr >= 1 or cfg.lr * cfg.weight_decay >= 1:  # AdamW: w <- w (1 - lr wd) - lr m/sqrt(v)
+        problems.append(f"--lr {cfg.lr} with --weight-decay {cfg.weight_decay}: an AdamW step moves each weight by "
+                        "about lr and multiplies it by 1 - lr * weight decay, so lr must be < 1 and lr * weight "
+                        "decay < 1 (the protocol's lr is 1e-6)")
+    algorithm = R.ALGORITHMS.get(cfg.algo)
+    if algorithm is not None and not algorithm.student_opd and cfg.teacher is not None:  # grpo, skill-grpo
+        trains = "a teacher and no student" if cfg.algo == "skill-grpo" else "a student without a teacher"
+        problems.append(f"--teacher: --algo {cfg.algo} trains {trains}, so it would not be used: drop it, or choose "
+                        "--algo retireopd, opd or grpo+opd")
+    if notes and algorithm is not None and cfg.teacher_success is not None and (
+            algorithm.student_retirement is None or cfg.retire_at is not None):  # merely unused: a note
+        print(f"[retireopd] note: --teacher-success only decides the adaptive retirement: --algo {cfg.algo}"
+              + (f" --retire-at {cfg.retire_at}" if cfg.retire_at is not None else "") + " does not use it")
+    if cfg.algo == "opd" and cfg.opd_coef == 0:
+        problems.append("--algo opd trains on lambda * L_OPD alone: --opd-coef must be > 0")
+    if cfg.dual_clip <= 1:
+        problems.append("--dual-clip must be > 1 (it caps the loss of a negative advantage at -c*A)")
+    if cfg.window >= 1 and not 1 <= cfg.eval_every <= cfg.window:  # (a bad --window is reported alone)
+        problems.append(f"--eval-every {cfg.eval_every}: must be between 1 and --window ({cfg.window}), so "
+                        "that every block of W iterations is judged at a validation")
+    if cfg.teacher_success is not None and not 0 < cfg.teacher_success <= 1:
+        problems.append("--teacher-success must be in (0, 1]")
+    if cfg.retire_at is not None and (cfg.algo != "retireopd" or cfg.retire_at < 1):
+        problems.append("--retire-at N needs --algo retireopd and N >= 1")
+    if cfg.teacher is not None and (problem := teacher_folder_problem(Path(cfg.teacher), cfg.env)):
+        problems.append(f"--teacher {problem}")
+    if cfg.webshop_reward not in ("faithful", "fixed"):
+        problems.append("--webshop-reward: faithful or fixed")
+    if cfg.env_workers < 0:
+        problems.append("--env-workers must be >= 0 (0: step ALFWorld in this process)")
+    elif notes and cfg.env_workers and cfg.env != "alfworld":
+        print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
+    if cfg.frozen_dtype not in ("float32", "bfloat16"):
+        problems.append("--frozen-dtype: float32 or bfloat16")
+    if cfg.loss_agg not in ("exact", "authors"):
+        problems.append("--loss-agg: exact (one token-mean per mini-batch) or authors (their micro-batch means)")
+    if cfg.micro_batch_rows < 1:
+        problems.append("--micro-batch-rows must be >= 1")
+    if cfg.report_to not in ("none", "tensorboard", "wandb"):
+        problems.append("--report-to: none, tensorboard or wandb")
+    if cfg.batch_tasks % multigpu.world_size():
+        problems.append(f"--batch-tasks {cfg.batch_tasks}: under torchrun each of the {multigpu.world_size()} processes "
+                        "plays whole groups, so it must be a multiple of --nproc_per_node")
+    known = cfg.model in R.MODEL_ALIASES or cfg.model == "tiny" or cfg.model.startswith("random:")
+    if not known and "/" not in cfg.model and not Path(cfg.model).is_dir():
+        problems.append(f"--model {cfg.model}: not a local folder, a hub id (org/name) or an alias "
+                        f"({', '.join([*R.MODEL_ALIASES, 'tiny'])}, random:<alias>)")
+    import tiny  # the models built in code
+    if cfg.model.startswith("random:") and cfg.model.split(":", 1)[1] not in tiny.QWEN25_SHAPES:
+        problems.append(f"--model {cfg.model}: random: takes one of {', '.join(tiny.QWEN25_SHAPES)}")
+    if problems:
+        raise SystemExit("retireopd: " + "\n".join(problems))
