@@ -4,8 +4,8 @@
 on CPU). Every rank plays its share of the B tasks, whole GRPO groups, so the advantages need nothing
 from another rank; the policy, the teacher and the reference are sharded with FSDP2 (fully_shard);
 each optimizer step is one update over the global mini-batch; rank 0 alone writes the run folder and
-prints. The method in retireopd.py calls this module only inside its `if ddp:` blocks; the plumbing
-below its banner calls the gathering helpers, which with one process return their input.
+prints. The method in retireopd.py calls this module only inside its `if ddp:` blocks; the code below its
+banner calls the gathering helpers, which with one process return their input.
 """
 
 from __future__ import annotations

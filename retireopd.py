@@ -94,7 +94,7 @@ class Config:
     # --- what to run -----------------------------------------------------------------------------
     model: str = arg("tiny", "tiny: the offline demo (tiny.py); an alias (Qwen2.5-1.5B/3B/7B: the paper's protocol, "
                      "the defaults below), hub id, local folder, or random:<alias>")
-    algo: str = arg("retireopd", "retireopd | grpo | skill-grpo | opd | grpo+opd (README: Algorithms)")
+    algo: str = arg("retireopd", "retireopd | grpo | skill-grpo | opd | grpo+opd (README: The algorithm)")
     env: str = arg("alfworld", "alfworld | webshop | kitchen (the offline demo's; the `tiny` preset's default)")
     alfworld_data: Optional[str] = arg(None, "root with json_2.1.1/ (default $ALFWORLD_DATA, else ~/.cache/alfworld); "
                                        "\"fixtures\": our own tiny games (the tiny preset's default)")
@@ -105,7 +105,7 @@ class Config:
     run_dir: Optional[str] = arg(None, "output folder (default runs/<env>-<algo>-<time>)")
     seed: int = arg(0, "seeds task sampling, rollouts and the tiny/random: model weights")
     warm_start: int = arg(0, "tiny only: behaviour-cloning steps that teach the answer format and reading a skill "
-                          "block, on invented dishes (README: the offline demo); 0: the random tiny model")
+                          "block, on invented dishes (docs/running.md: the offline demo); 0: the random tiny model")
     device: str = arg("auto", "auto | cuda | cuda:N | cpu")
     # --- rollout -------------------------------------------------------------------------------
     iterations: int = arg(150, "training iterations per phase (the authors' protocol)")
@@ -158,7 +158,7 @@ class Config:
     report_to: str = arg("none", "none | tensorboard (RUN_DIR/tensorboard) | wandb: a live dashboard of every metrics "
                          "line, evaluation and the retirement (docs/metrics.md); --resume may change it")
     frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
-                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; see README)")
+                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; docs/choices.md: Precision)")
 
 
 # ==================================================================================================
@@ -1301,7 +1301,7 @@ def score_tokens(model, input_ids: torch.Tensor, picked: tuple, targets: torch.T
 
 
 def autocast(device: torch.device):
-    """bf16 compute on GPU over fp32 master weights (README: Precision); plain fp32 on CPU. Under
+    """bf16 compute on GPU over fp32 master weights (docs/choices.md: Precision); plain fp32 on CPU. Under
     torchrun its cache of bf16 weight casts is off: it would keep every gathered layer's cast."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not ddp)
@@ -2030,33 +2030,6 @@ def stop_at_the_next_safe_point(signum: int, _frame) -> None:
               "(a second signal stops at once)", flush=True)
 
 
-def run_summary(run_dir: Path) -> str:
-    """The end-of-run summary, from the run folder's logs: S_T, when the teacher retired, and the
-    report panel's success of the teacher (with skills, and without for skill-grpo) and the student."""
-    events = read_jsonl(run_dir / "events.jsonl")
-    reports = {(e["phase"], e["skills"]): e["overall"] for e in read_jsonl(run_dir / "eval.jsonl")
-               if e.get("panel") == "report"}
-    saved = {}
-    for phase in PHASES:
-        with contextlib.suppress(OSError, ValueError):
-            record = json.loads((run_dir / phase / "retireopd.json").read_text())
-            saved[phase] = record if isinstance(record, dict) else {}
-    teacher_success = saved.get("student", saved.get("teacher", {})).get("teacher_success")
-    parts = [f"S_T {teacher_success:.3f}"] if isinstance(teacher_success, (int, float)) else []
-    retirements = [e for e in events if e["event"] == "retirement"]
-    if retirements:
-        parts.append(f"teacher retired from student iteration {retirements[-1]['retired_at']} "
-                     f"({retirements[-1]['rule']} rule)")
-    elif "student" in saved and saved["student"].get("teacher_success") is not None:
-        parts.append("teacher never retired")
-    names = {("teacher", True): "teacher with skills", ("teacher", False): "teacher without skills",
-             ("student", False): "student"}
-    panel = [f"{names[key]} {reports[key]:.2f}" for key in names if key in reports]
-    if panel:
-        parts.append("report panel: " + ", ".join(panel))
-    return "; ".join(parts)
-
-
 def save_pretrained_as(model, folder: Path, dtype: torch.dtype, weights: Optional[dict] = None) -> None:
     """model.save_pretrained with the weights (default: the model's) cast to dtype (copies on the CPU,
     a tied weight once), and config.json saying so under both names readers use: `dtype`
@@ -2128,7 +2101,7 @@ EXAMPLES = """examples:
   python retireopd.py --model Qwen2.5-1.5B --alfworld-data ~/.cache/alfworld --env-workers 8
   python retireopd.py --model Qwen2.5-1.5B --env webshop --webshop-data DIR
   python retireopd.py --model random:Qwen2.5-1.5B --iterations 1   # real shapes, random weights
-  torchrun --nproc_per_node 4 retireopd.py --model Qwen2.5-7B ...  # several GPUs: FSDP2 (README)
+  torchrun --nproc_per_node 4 retireopd.py --model Qwen2.5-7B ...  # several GPUs: FSDP2 (multigpu.py)
   python retireopd.py --algo grpo | skill-grpo | opd | grpo+opd | retireopd --retire-at 40
   python retireopd.py --resume RUN_DIR | --plot RUN_DIR | --compare RUN_DIR RUN_DIR"""
 
@@ -2336,7 +2309,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         return run.dir
     checks.release_run_folders()
     plot = tools.plot_runs([run.dir])
-    print(f"[retireopd] summary: {run_summary(run.dir)}")
+    print(f"[retireopd] summary: {tools.run_summary(run.dir)}")
     print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"
           + (f"; plot {plot}" if plot else ""))
     return run.dir

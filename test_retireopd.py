@@ -2397,10 +2397,10 @@ def test_run_summary_reads_S_T_the_retirement_and_the_report_panel(tmp_path):
     for phase, stored in (("teacher", 0.5), ("student", 0.6)):  # phase 2 ran with --teacher-success 0.6
         (tmp_path / phase).mkdir()
         (tmp_path / phase / "retireopd.json").write_text(json.dumps({"teacher_success": stored}))
-    assert R.run_summary(tmp_path) == ("S_T 0.600; teacher retired from student iteration 11 (adaptive rule); "
+    assert tools.run_summary(tmp_path) == ("S_T 0.600; teacher retired from student iteration 11 (adaptive rule); "
                                        "report panel: teacher with skills 0.62, student 0.75")
     write("events.jsonl", [{"event": "teacher_ready", "teacher_success": 0.5}])
-    assert "teacher never retired" in R.run_summary(tmp_path)
+    assert "teacher never retired" in tools.run_summary(tmp_path)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ matplotlib, TensorBoard and W&B are imported only here, and only when asked for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -225,8 +226,35 @@ class Tracker:
             self.writer.close()
 
 # ==================================================================================================
-# The plot: RUN_DIR/plot.png (--plot), several runs on one figure (--compare)
+# A finished run: its summary line, its plot (RUN_DIR/plot.png, --plot), several runs on one figure (--compare)
 # ==================================================================================================
+
+
+def run_summary(run_dir: Path) -> str:
+    """The end-of-run summary, from the run folder's logs: S_T, when the teacher retired, and the
+    report panel's success of the teacher (with skills, and without for skill-grpo) and the student."""
+    events = R.read_jsonl(run_dir / "events.jsonl")
+    reports = {(e["phase"], e["skills"]): e["overall"] for e in R.read_jsonl(run_dir / "eval.jsonl")
+               if e.get("panel") == "report"}
+    saved = {}
+    for phase in R.PHASES:
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads((run_dir / phase / "retireopd.json").read_text())
+            saved[phase] = record if isinstance(record, dict) else {}
+    teacher_success = saved.get("student", saved.get("teacher", {})).get("teacher_success")
+    parts = [f"S_T {teacher_success:.3f}"] if isinstance(teacher_success, (int, float)) else []
+    retirements = [e for e in events if e["event"] == "retirement"]
+    if retirements:
+        parts.append(f"teacher retired from student iteration {retirements[-1]['retired_at']} "
+                     f"({retirements[-1]['rule']} rule)")
+    elif "student" in saved and saved["student"].get("teacher_success") is not None:
+        parts.append("teacher never retired")
+    names = {("teacher", True): "teacher with skills", ("teacher", False): "teacher without skills",
+             ("student", False): "student"}
+    panel = [f"{names[key]} {reports[key]:.2f}" for key in names if key in reports]
+    if panel:
+        parts.append("report panel: " + ", ".join(panel))
+    return "; ".join(parts)
 
 
 def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
