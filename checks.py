@@ -35,6 +35,11 @@ import multigpu
 import retireopd as R
 
 
+# ==================================================================================================
+# The run folder: one process per folder, and no mixing of runs
+# ==================================================================================================
+
+
 RUN_IDENTITY = "run.json"  # what a run folder holds: written when the run starts, kept by --resume
 
 
@@ -44,11 +49,6 @@ RUN_ENTRIES = (RUN_IDENTITY, "config.json", "metrics.jsonl", "events.jsonl", "ev
 
 def holds_a_run(folder: Path) -> bool:
     return any((Path(folder) / name).exists() for name in RUN_ENTRIES)
-
-
-# ==================================================================================================
-# The run folder: one process per folder, and no mixing of runs
-# ==================================================================================================
 
 
 def check_run_folder(run_dir: str, resuming: bool) -> list:
@@ -170,8 +170,52 @@ def stopped_before_its_first_iteration(folder: Path) -> bool:
 
 
 # ==================================================================================================
-# What a run reads: a resume must read the same (run.json's inputs)
+# Which run a folder holds (run.json), and what it reads: a resume must read the same
 # ==================================================================================================
+
+
+def run_identity(folder: Path, cfg: R.Config, inputs: Optional[dict]) -> dict:
+    """The folder's run.json: which run it holds (an id, when it started, what it runs, and `inputs`, what
+    it trains and validates on). Read when it exists (a resumed run keeps its id), written otherwise.
+    Checkpoints carry the id, so a run.json that is missing or damaged is restored from them (the
+    damaged one is kept as run.json.corrupt): the checkpoints are never discarded for want of it. A
+    resume whose inputs differ from the run's is refused (same_inputs)."""
+    path = folder / RUN_IDENTITY
+    with contextlib.suppress(OSError, ValueError):
+        identity = json.loads(path.read_text())
+        if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
+            return same_inputs(identity, inputs, folder)
+    damaged = path.exists()
+    if damaged:
+        os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
+    identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
+                "inputs": inputs}
+    for checkpoint in reversed(R.checkpoint_folders(folder)):  # the newest whose trainer state names its run
+        with contextlib.suppress(Exception):
+            identity.update(run_id=str(R.read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
+                            restored_from=checkpoint.name)
+            print(f"[retireopd] note: {path} was {'damaged (kept as run.json.corrupt)' if damaged else 'missing'}: "
+                  f"restored from checkpoint {checkpoint.name} (run {identity['run_id']})")
+            break
+    R.write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
+    return same_inputs(identity, inputs, folder)
+
+
+def same_inputs(identity: dict, inputs: Optional[dict], folder: Path) -> dict:
+    """A resume must read what the run read (run_inputs): refuse it in one line if not, and record the
+    inputs of a run.json that lacks them (restored from a checkpoint, or written by an older version)."""
+    if inputs is None or identity.get("inputs") == inputs:
+        return identity
+    if identity.get("inputs") is not None:
+        changed = [f"{key} {identity['inputs'].get(key)} -> {value}" for key, value in inputs.items()
+                   if identity["inputs"].get(key) != value]
+        raise SystemExit(f"retireopd: --resume {folder} would not train on what the run started with ("
+                         + "; ".join(changed) + "): restore those (a data folder, an environment "
+                         "variable), or start a new run")
+    identity = {**identity, "inputs": inputs}
+    R.write_text_atomically(folder / RUN_IDENTITY, json.dumps(identity, indent=2) + "\n")
+    return identity
 
 
 def run_inputs(cfg: R.Config, suite: R.TaskSuite) -> dict:
@@ -251,50 +295,6 @@ def tensors_in(value) -> list:
 
 def format_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def run_identity(folder: Path, cfg: R.Config, inputs: Optional[dict]) -> dict:
-    """The folder's run.json: which run it holds (an id, when it started, what it runs, and `inputs`, what
-    it trains and validates on). Read when it exists (a resumed run keeps its id), written otherwise.
-    Checkpoints carry the id, so a run.json that is missing or damaged is restored from them (the
-    damaged one is kept as run.json.corrupt): the checkpoints are never discarded for want of it. A
-    resume whose inputs differ from the run's is refused (same_inputs)."""
-    path = folder / RUN_IDENTITY
-    with contextlib.suppress(OSError, ValueError):
-        identity = json.loads(path.read_text())
-        if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
-            return same_inputs(identity, inputs, folder)
-    damaged = path.exists()
-    if damaged:
-        os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
-    identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
-                "inputs": inputs}
-    for checkpoint in reversed(R.checkpoint_folders(folder)):  # the newest whose trainer state names its run
-        with contextlib.suppress(Exception):
-            identity.update(run_id=str(R.read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
-                            restored_from=checkpoint.name)
-            print(f"[retireopd] note: {path} was {'damaged (kept as run.json.corrupt)' if damaged else 'missing'}: "
-                  f"restored from checkpoint {checkpoint.name} (run {identity['run_id']})")
-            break
-    R.write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
-    return same_inputs(identity, inputs, folder)
-
-
-def same_inputs(identity: dict, inputs: Optional[dict], folder: Path) -> dict:
-    """A resume must read what the run read (run_inputs): refuse it in one line if not, and record the
-    inputs of a run.json that lacks them (restored from a checkpoint, or written by an older version)."""
-    if inputs is None or identity.get("inputs") == inputs:
-        return identity
-    if identity.get("inputs") is not None:
-        changed = [f"{key} {identity['inputs'].get(key)} -> {value}" for key, value in inputs.items()
-                   if identity["inputs"].get(key) != value]
-        raise SystemExit(f"retireopd: --resume {folder} would not train on what the run started with ("
-                         + "; ".join(changed) + "): restore those (a data folder, an environment "
-                         "variable), or start a new run")
-    identity = {**identity, "inputs": inputs}
-    R.write_text_atomically(folder / RUN_IDENTITY, json.dumps(identity, indent=2) + "\n")
-    return identity
 
 
 def first_resumable_checkpoint(run_dir: Path, run_id: str) -> tuple[Optional[Path], Optional[dict]]:

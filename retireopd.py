@@ -699,7 +699,7 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
             num_tokens = sum(response_lengths[i] for i in mini)  # the mini-batch's token count
             denominators = None if cfg.loss_agg == "exact" else dict(zip(mini, micro_batch_denominators(
                 [response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch)))  # --loss-agg authors
-            mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this process's samples in it
+            mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this process's samples (one: all)
             optimizer.zero_grad(set_to_none=True)
             finite = True
             micro_batches = meter.micro_batches(samples, mine, cfg.token_budget)
@@ -814,7 +814,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     if resume is None and not distilling:  # the starting model, before any update, as the authors' phase-1
         validate(phase, -1, policy, tokenizer, suite, cfg, run, skills_in_prompt)  # and GRPO scripts do
     bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True, initial=first,
-               total=iterations, disable=not multigpu.main_process())
+               total=iterations, disable=ddp and not multigpu.main_process())  # ddp: rank 0's bar alone
     for iteration in bar:
         started = start_measuring(device)
         tasks = [rng.choice(suite.train) for _ in range(cfg.batch_tasks)]
