@@ -1,7 +1,7 @@
 """Tests of the method in retireopd.py (sections 1-6): the math on hand-made tensors, the retirement
 rule, the gradients, the prompts and the parsing of answers. Each test works its expected values out
 by hand in its comments, so an instructor who turns a function into an exercise can grade it with
-the tests named for it (README, "Which test grades which function"). All are in the fast tier:
+the tests named for it (docs/tests.md: which test grades which function). All are fast:
 
     python -m pytest -q test_method.py
 """

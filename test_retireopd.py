@@ -1395,7 +1395,7 @@ def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
         time_module.sleep(0.05)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 1
+    assert process.returncode == 1, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == (f"[retireopd] interrupted: continue with `python retireopd.py "
                                                f"--resume '{run_dir}'` (from the last checkpoint)")
 
