@@ -1,4 +1,4 @@
-"""RetireOPD: Self-Retiring On-Policy Distillation for agentic RL (arXiv 2609.20784), in one file.
+"""RetireOPD: Self-Retiring On-Policy Distillation for agentic RL (arXiv 2609.20784): the method in one file.
 
 Phase 1 trains a teacher with GRPO while the task's skill notes sit in its prompt, then freezes it;
 S_T is its validation success with skills. Phase 2 trains a fresh, skill-free student with GRPO plus
@@ -165,8 +165,8 @@ class Config:
 # 2. Skills and prompts
 # ==================================================================================================
 # What the teacher sees beyond the student: its task type's skill block (skill_text). The texts are ours, beside
-# each environment (KITCHEN_SKILLS, alfworld_env.ALFWORLD_SKILLS, webshop_env.WEBSHOP_SKILLS); --show-prompts prints
-# a student's and a teacher's first prompt.
+# each environment (SKILLS in section 9: KITCHEN_SKILLS, alfworld_env.ALFWORLD_SKILLS, webshop_env.WEBSHOP_SKILLS);
+# --show-prompts prints a student's and a teacher's first prompt.
 
 FORMAT_INSTRUCTION = (
     "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
@@ -688,7 +688,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
     meter = UpdateMeter()  # loss and stat sums, token counts, gradient norms (plumbing)
     with_entropy = advantages is not None and cfg.entropy_coef > 0
     model.train()
-    first, response_lengths = 0, [len(s.response_ids) for s in samples]  # the mini-batches draw from these
+    response_lengths = [len(s.response_ids) for s in samples]  # the mini-batches draw from these
+    first = 0  # where this process's samples start among them
     if ddp:  # from every rank's samples: where this rank's start, and the lengths of all
         first, response_lengths = multigpu.global_batch(samples)
     for _epoch in range(cfg.ppo_epochs):
@@ -699,7 +700,9 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
             num_tokens = sum(response_lengths[i] for i in mini)  # the mini-batch's token count
             denominators = None if cfg.loss_agg == "exact" else dict(zip(mini, micro_batch_denominators(
                 [response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch)))  # --loss-agg authors
-            mine = [i - first for i in mini if 0 <= i - first < len(samples)]  # this process's samples (one: all)
+            mine = mini
+            if ddp:  # this rank's samples in the mini-batch, as indices into its own
+                mine = [i - first for i in mini if 0 <= i - first < len(samples)]
             optimizer.zero_grad(set_to_none=True)
             finite = True
             micro_batches = meter.micro_batches(samples, mine, cfg.token_budget)
@@ -1694,6 +1697,12 @@ def resolve_model_name(name: str) -> str:
     return MODEL_ALIASES.get(name, name)
 
 
+def from_the_cache_only(path: str) -> bool:
+    """A cached hub model while the hub cannot be reached: load it straight from the cache (asking the
+    hub first would retry for minutes)."""
+    return not Path(path).is_dir() and checks.hub_model_cached(path) and checks.hub_answer(path).startswith("unreachable")
+
+
 def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """(model, tokenizer) for a hub id, local folder, alias, `random:<alias>` or `tiny`.
 
@@ -1707,10 +1716,7 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
         model, tokenizer = tiny.build_model(name, dtype, seed)
     else:
         path = resolve_model_name(name)
-        # a cached hub model while the hub cannot be reached: straight from the cache (asking the hub
-        # first would retry for minutes)
-        cached_only = (not Path(path).is_dir() and checks.hub_model_cached(path)
-                       and checks.hub_answer(path).startswith("unreachable"))
+        cached_only = from_the_cache_only(path)
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
@@ -2206,13 +2212,28 @@ def resume_config(run_dir: str, given: dict) -> Config:
     return cfg
 
 
+def open_task_suite(cfg: Config, created: list = ()) -> TaskSuite:
+    """TaskSuite(cfg), its data problems said in one line; a start that fails here gives the run folder
+    back (the folders in `created`, and the lock), so nothing blocks the corrected command."""
+    try:
+        return TaskSuite(cfg)
+    except (FileNotFoundError, ValueError) as error:
+        checks.give_back_run_folder(cfg.run_dir, list(created))
+        raise SystemExit(f"retireopd: {error}") from None
+    except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
+        checks.give_back_run_folder(cfg.run_dir, list(created))
+        data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
+        raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
+                         "a file lacks a field or has another shape than the benchmark's") from None
+
+
 def show_prompts(cfg: Config) -> None:
     """--show-prompts: the student's prompt s_t and the teacher's s_t^T at the first turn of the validation
     panel's first task, decoded from their token ids with the special tokens (the chat template), as the
-    model reads them. Nothing is written, and no model is loaded: only the tokenizer."""
+    model reads them. Nothing is written to the run folder, and no model is loaded: only the tokenizer."""
     import tempfile
     with tempfile.TemporaryDirectory() as scratch:  # (ALFWorld's fixture games are written there)
-        suite = TaskSuite(dataclasses.replace(cfg, run_dir=scratch))
+        suite = open_task_suite(dataclasses.replace(cfg, run_dir=scratch))
         task = suite.validation_panel[0]
         episode = EpisodeState(suite.new_episode(task), group=0)
         start_episodes([episode])
@@ -2220,7 +2241,8 @@ def show_prompts(cfg: Config) -> None:
             import tiny
             tokenizer = tiny.build_tiny_tokenizer()
         else:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_name(cfg.model))
+            path = resolve_model_name(cfg.model)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=from_the_cache_only(path))
         student, teacher, _ = episode_prompts(tokenizer, episode, cfg, skill_text(cfg.env, episode.task_type))
         close_episodes([episode])
         suite.close()
@@ -2265,16 +2287,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = multigpu.start_processes(cfg)  # the device; under torchrun also the process group
-    try:  # data problems surface here, in one line, before any model is loaded
-        suite = TaskSuite(cfg)
-    except (FileNotFoundError, ValueError) as error:
-        checks.give_back_run_folder(cfg.run_dir, created)
-        raise SystemExit(f"retireopd: {error}") from None
-    except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
-        checks.give_back_run_folder(cfg.run_dir, created)
-        data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
-        raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
-                         "a file lacks a field or has another shape than the benchmark's") from None
+    suite = open_task_suite(cfg, created)  # data problems surface here, in one line, before any model is loaded
     run = Run(cfg, checks.run_inputs(cfg, suite))
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
     # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.

@@ -330,7 +330,7 @@ def test_rule_rising_gap_with_competence_retires_at_the_second_judged_block():
     assert state.retired and state.retired_at == 4
 
 
-def test_rule_falling_gap_does_not_retire_and_competence_uses_the_last_two_validations():
+def test_rule_falling_gap_does_not_retire_and_competence_uses_this_and_the_previous_judging_validation():
     state = R.Retirement(teacher_success=0.5, window=1)
     # K: 1.0 (baseline), 0.8 (shrinks 20%), 0.8 (did not shrink) with S 0.9, 0.9, then 0.5, 0.4
     records = drive(state, [1.0, 0.8, 0.8, 0.8], {0: 0.9, 1: 0.9, 2: 0.5, 3: 0.4})
@@ -341,7 +341,8 @@ def test_rule_falling_gap_does_not_retire_and_competence_uses_the_last_two_valid
     strict = R.Retirement(teacher_success=0.5, window=1)
     records = drive(strict, [1.0, 0.9, 0.8, 0.7], {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
     assert all(r["progress"] > 0 for r in records[1:]) and not strict.retired  # always shrinking
-    # competence from exactly the last two: S = 0.0, 0.0, 0.9, 0.0 -> at it. 3: (0.0 + 0.9)/1 = 0.9
+    # competence from this and the previous judging validation only (W = 1: every validation judges):
+    # S = 0.0, 0.0, 0.8, 0.1 -> at it. 2: (0.8 + 0.0)/(2 * 0.5) = 0.8, at it. 3: (0.1 + 0.8)/1 = 0.9
     two = R.Retirement(teacher_success=0.5, window=1)
     records = drive(two, [1.0, 1.0, 1.0, 1.0], {0: 0.0, 1: 0.0, 2: 0.8, 3: 0.1})
     assert [r["competence"] for r in records[1:]] == pytest.approx([0.0, 0.8, 0.9])

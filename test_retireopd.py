@@ -6,14 +6,15 @@ plumbing on the tiny model, alfworld_env.py on the real engine, and end-to-end r
 
 The fast tier is the math, the plumbing on the tiny model, the environments on fixture games
 and the built-in catalogue, the flag and folder checks, and a few runs of main() of a second or
-two (both phases once, phase 2 on each environment, a retirement by the rule): about 20 s on a
-2-core CPU. `slow` (registered in pytest.ini) marks the rest: the other end-to-end runs of the
+two (both phases once, phase 2 on each environment, a retirement by the rule): about 90 s on a
+2-core CPU, with test_method.py. `slow` (registered in pytest.ini) marks the rest: the other end-to-end runs of the
 training script (the other --algo runs, resumes after a kill or a crash, plots, the benchmark),
 tests that start subprocesses, replays of the real ALFWorld games and of all WebShop golden
 goals, and the offline demo that must learn (minutes).
 
 Expected values are worked out by hand in the comments. Tests that read ../shared skip when it
-is absent. Sections 1-7 (the math, the rule, the gradients, the prompts) are in test_method.py.
+is absent. The test sections 1-7 (the math, the rule, the gradients, the prompts) are in
+test_method.py; this file goes on from section 8.
 """
 
 import importlib.util
@@ -1743,6 +1744,14 @@ def test_show_prompts_prints_the_students_and_the_teachers_first_prompt_and_writ
     student_text = student.split("=====\n", 1)[1].split("<|im_start|>user\n", 1)[1]
     assert teacher.split("=====\n", 1)[1].rstrip().endswith(student_text.rstrip())
     assert not run_dir.exists()
+
+
+def test_show_prompts_says_a_data_problem_in_one_line(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        R.main(["--show-prompts", "--env", "webshop", "--webshop-data", str(tmp_path / "none"),
+                "--run-dir", str(tmp_path / "run")])
+    assert str(stop.value).startswith("retireopd: WebShop data folder") and "\n" not in str(stop.value)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """The models built in code, for runs without a download: the tiny model of the offline demo (its shape,
 its tokenizer, its warm start and its presets) and `random:<alias>`, a Qwen2.5 shape with random weights.
 
-retireopd.py imports this module when a run asks for one of them (--model tiny, --model random:...).
+retireopd.py reads the presets when it parses the flags, and builds a model here when a run asks for one
+(--model tiny, --model random:...).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What serves other needs than training: the memory estimate printed before each phase, the live
 dashboards (--report-to), the plot (--plot, --compare, and the one drawn at the end of a run) and the
-built-in benchmark (--benchmark). retireopd.py imports this module only when it needs one of them;
-matplotlib, TensorBoard and W&B are imported only here, and only when asked for.
+built-in benchmark (--benchmark). Their heavy packages (matplotlib, TensorBoard, W&B) are imported
+only here, and only when asked for.
 """
 
 from __future__ import annotations
