@@ -1390,7 +1390,10 @@ def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
     run_dir = tmp_path / "my run"  # a space: the command must still be one to copy
     process = subprocess.Popen([sys.executable, "retireopd.py", *QUICK, "--env", "webshop", "--algo", "grpo",
                                 "--iterations", "50", "--run-dir", str(run_dir)], cwd=Path(__file__).parent,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               # Ctrl-C reaches the run even when these tests run as a background job, which
+                               # a shell starts with SIGINT ignored (the run would inherit that)
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time_module.time() + 120
     while time_module.time() < deadline and process.poll() is None and not R.read_jsonl(run_dir / "metrics.jsonl"):
         time_module.sleep(0.05)
