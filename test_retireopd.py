@@ -1646,6 +1646,12 @@ def test_hf_hub_offline_is_honoured_and_a_cached_model_loads_while_the_hub_is_un
                           timeout=300, env={**env, "HF_ENDPOINT": closed_port_url()})
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) < 15  # from the cache at once, not after the hub's retries
+    start = time_module.time()  # --show-prompts reads the cached tokenizer the same way
+    done = subprocess.run([sys.executable, "retireopd.py", "--show-prompts", "--model", "retireopd-test/tiny", "--env",
+                           "kitchen", "--run-dir", str(tmp_path / "prompts")], cwd=Path(__file__).parent,
+                          capture_output=True, text=True, timeout=300, env={**env, "HF_ENDPOINT": closed_port_url()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time_module.time() - start < 30 and "===== teacher" in done.stdout and not (tmp_path / "prompts").exists()
 
 
 def test_non_finite_loss_skips_the_optimizer_step(tiny):
