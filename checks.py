@@ -285,14 +285,6 @@ def trainer_state_problem(state) -> Optional[str]:
     return None
 
 
-def tensors_in(value) -> list:
-    """Every tensor in a nested structure of dicts, lists and tuples (a trainer state)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return [tensor for item in items for tensor in tensors_in(item)]
-
-
 def format_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

@@ -1447,6 +1447,14 @@ def non_finite_tensors(tensors) -> int:
     return int((~torch.stack(flags)).sum()) if flags else 0
 
 
+def tensors_in(value) -> list:
+    """Every tensor in a nested structure of dicts, lists and tuples (a trainer state)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [tensor for item in items for tensor in tensors_in(item)]
+
+
 def stop_if_weights_not_finite(model, optimizer) -> None:
     """After an optimizer step: weights that hold a NaN or an infinity end the run, in one line (every
     rank stops). The step cannot be undone, and the weights are not saved (the last checkpoint holds
@@ -1872,7 +1880,7 @@ class Run:
         final, tmp = self.dir / name, self.dir / f"{name}.tmp"
         if not multigpu.main_process():
             return final
-        tensors = [*(model.state_dict() if weights is None else weights).values(), *checks.tensors_in(trainer_state)]
+        tensors = [*(model.state_dict() if weights is None else weights).values(), *tensors_in(trainer_state)]
         if bad := non_finite_tensors(tensors):  # weights, AdamW's moments
             raise SystemExit(f"retireopd: not saving {final}: {bad} of its tensors hold NaN or infinite values "
                              "(what was saved before is kept)")
