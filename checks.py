@@ -32,7 +32,8 @@ import transformers
 from tqdm.auto import tqdm
 
 import multigpu
-import retireopd as R
+from common import (ENVS, MODEL_ALIASES, PHASES, checkpoint_folders, read_jsonl, read_trainer_state,
+                    resolve_model_name, write_text_atomically)
 
 
 # ==================================================================================================
@@ -165,7 +166,7 @@ def stopped_before_its_first_iteration(folder: Path) -> bool:
             return False
     except (OSError, ValueError, TypeError):
         return False
-    progress = [name for name in ("metrics.jsonl", "eval.jsonl") if R.read_jsonl(folder / name)]
+    progress = [name for name in ("metrics.jsonl", "eval.jsonl") if read_jsonl(folder / name)]
     return not progress and not any((folder / name).exists() for name in ("checkpoints", "teacher", "student"))
 
 
@@ -174,7 +175,7 @@ def stopped_before_its_first_iteration(folder: Path) -> bool:
 # ==================================================================================================
 
 
-def run_identity(folder: Path, cfg: R.Config, inputs: Optional[dict]) -> dict:
+def run_identity(folder: Path, cfg, inputs: Optional[dict]) -> dict:
     """The folder's run.json: which run it holds (an id, when it started, what it runs, and `inputs`, what
     it trains and validates on). Read when it exists (a resumed run keeps its id), written otherwise.
     Checkpoints carry the id, so a run.json that is missing or damaged is restored from them (the
@@ -191,14 +192,14 @@ def run_identity(folder: Path, cfg: R.Config, inputs: Optional[dict]) -> dict:
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
                 "inputs": inputs}
-    for checkpoint in reversed(R.checkpoint_folders(folder)):  # the newest whose trainer state names its run
+    for checkpoint in reversed(checkpoint_folders(folder)):  # the newest whose trainer state names its run
         with contextlib.suppress(Exception):
-            identity.update(run_id=str(R.read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
+            identity.update(run_id=str(read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
                             restored_from=checkpoint.name)
             print(f"[retireopd] note: {path} was {'damaged (kept as run.json.corrupt)' if damaged else 'missing'}: "
                   f"restored from checkpoint {checkpoint.name} (run {identity['run_id']})")
             break
-    R.write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
+    write_text_atomically(path, json.dumps(identity, indent=2) + "\n")
     return same_inputs(identity, inputs, folder)
 
 
@@ -214,11 +215,11 @@ def same_inputs(identity: dict, inputs: Optional[dict], folder: Path) -> dict:
                          + "; ".join(changed) + "): restore those (a data folder, an environment "
                          "variable), or start a new run")
     identity = {**identity, "inputs": inputs}
-    R.write_text_atomically(folder / RUN_IDENTITY, json.dumps(identity, indent=2) + "\n")
+    write_text_atomically(folder / RUN_IDENTITY, json.dumps(identity, indent=2) + "\n")
     return identity
 
 
-def run_inputs(cfg: R.Config, suite: R.TaskSuite) -> dict:
+def run_inputs(cfg, suite) -> dict:
     """What decides what a run trains and validates on, as resolved values: the data folder, the model,
     the teacher, and a fingerprint of the tasks (the training pool and both panels; WebShop: their
     goals' text; ALFWorld: the games' paths below the data root). A resume that would differ is refused."""
@@ -278,7 +279,7 @@ def trainer_state_problem(state) -> Optional[str]:
     missing = [key for key in TRAINER_STATE_KEYS if key not in state]
     if missing:
         return f"trainer.pt lacks {', '.join(missing)}"
-    if state["phase"] not in R.PHASES or not isinstance(state["iteration"], int) or state["iteration"] < 0:
+    if state["phase"] not in PHASES or not isinstance(state["iteration"], int) or state["iteration"] < 0:
         return f"trainer.pt names no iteration of a phase ({state['phase']!r}, {state['iteration']!r})"
     if not isinstance(state["val_successes"], list) or not isinstance(state["optimizer"], dict):
         return "trainer.pt's validations or optimizer state are not what a checkpoint writes"
@@ -293,11 +294,11 @@ def first_resumable_checkpoint(run_dir: Path, run_id: str) -> tuple[Optional[Pat
     """(the newest whole checkpoint of this run, its trainer state), or (None, None). One that is damaged (a
     file cut short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a note, and
     the one before it is tried."""
-    for folder in reversed(R.checkpoint_folders(run_dir)):
+    for folder in reversed(checkpoint_folders(run_dir)):
         problem, state = saved_model_problem(folder), None
         if problem is None:
             try:
-                state = R.read_trainer_state(folder)
+                state = read_trainer_state(folder)
                 problem = trainer_state_problem(state)
             except pickle.UnpicklingError:  # weights_only refused it
                 problem = "trainer.pt asks to build objects that are not data (a pickle can run code): not loaded"
@@ -315,12 +316,43 @@ def first_resumable_checkpoint(run_dir: Path, run_id: str) -> tuple[Optional[Pat
     return None, None
 
 
+def truncate_logs(run_dir: Path, phase: str, iteration: int, finished: tuple, last_iterations: dict) -> None:
+    """On resume: drop the log lines of what the resumed run redoes, so that none appears twice: every
+    iteration after the checkpoint (phase, iteration), and the start and end (memory estimate, report,
+    teacher_ready) of every phase not in `finished`, the phases whose final model is saved (they are not
+    redone; last_iterations: {phase: its last iteration}). A last line cut short by a crash is dropped,
+    with a note."""
+    point = (PHASES.index(phase), iteration)
+    for saved in finished:  # a saved phase is complete, whichever checkpoint is used
+        point = max(point, (PHASES.index(saved), last_iterations[saved]))
+
+    def keep(record):
+        if record.get("panel") == "report":  # written after the phase's last checkpoint
+            return record["phase"] in finished
+        done = (PHASES.index(record.get("phase", "teacher")), record.get("iteration", -1))
+        return done <= point
+
+    def keep_event(event):
+        if event["event"] == "retirement":
+            return keep({"phase": "student", "iteration": event["decided_after_iteration"]})
+        if event["event"] == "teacher_ready":
+            return "teacher" in finished
+        if event["event"] == "memory_estimate":  # "phase 1" / "phase 2": logged again when it restarts
+            return PHASES[int(event["phase"][-1]) - 1] in finished
+        return True
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        records = [r for r in read_jsonl(run_dir / name, note=True) if keep(r)]
+        write_text_atomically(run_dir / name, "".join(json.dumps(r) + "\n" for r in records))
+    events = [e for e in read_jsonl(run_dir / "events.jsonl", note=True) if keep_event(e)]
+    write_text_atomically(run_dir / "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
+
+
 def write_failure(run_dir: Path, name: str, error: Exception) -> str:
     """The one line of a write into the run folder that failed (a full disk, a quota): what, why,
     what is kept, what to do."""
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     free = shutil.disk_usage(run_dir).free
-    newest = (R.checkpoint_folders(run_dir) or [None])[-1]
+    newest = (checkpoint_folders(run_dir) or [None])[-1]
     needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest else 0
     code = getattr(error, "errno", None) or next(  # safetensors says "... (os error 27)"
         (int(n) for n in re.findall(r"os error (\d+)", reason)), None)
@@ -399,6 +431,12 @@ def hub_answer(repo_id: str) -> str:
     return "found"
 
 
+def from_the_cache_only(path: str) -> bool:
+    """A cached hub model while the hub cannot be reached: load it straight from the cache (asking the
+    hub first would retry for minutes)."""
+    return not Path(path).is_dir() and hub_model_cached(path) and hub_answer(path).startswith("unreachable")
+
+
 def model_source_problem(name: str) -> Optional[str]:
     """Why --model `name` cannot be loaded, in one line that says what to do, or None. Decided in
     seconds and before anything is written: a local folder must hold a config.json, a hub id must
@@ -409,7 +447,7 @@ def model_source_problem(name: str) -> Optional[str]:
     from huggingface_hub.utils import validate_repo_id
     if name == "tiny" or name.startswith("random:"):
         return None
-    source = R.resolve_model_name(name)
+    source = resolve_model_name(name)
     folder = Path(source).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").is_file():
@@ -488,18 +526,48 @@ def teacher_fit_problem(teacher, teacher_dir: Path, student, tokenizer) -> Optio
 # ==================================================================================================
 
 
-def validate_config(cfg: R.Config, notes: bool = True) -> None:
+def saved_settings(run_dir: str, given: dict, known: set) -> dict:
+    """The settings of the run being resumed, from RUN_DIR/config.json (`known`: the Config's fields), with
+    the flags given on the command line that only change how it runs; a flag that contradicts the run,
+    and a config.json that is missing, damaged or another version's, are one-line errors."""
+    saved_file = Path(run_dir) / "config.json"
+    if not saved_file.is_file():
+        raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
+    try:
+        saved = json.loads(saved_file.read_text())
+    except ValueError:
+        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json is damaged (not JSON)") from None
+    if not isinstance(saved, dict) or set(saved) - known:
+        unknown = sorted(set(saved) - known) if isinstance(saved, dict) else []
+        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json " + (
+            f"has settings this version of retireopd.py does not know ({', '.join(unknown)}): it was written by "
+            "another version; resume it with that one" if unknown else "is not a settings object (damaged)"))
+    # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
+    # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
+    # disk); and S_T, for a run that stopped at S_T = 0
+    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints",
+            "report_to")  # (and where it is watched: the dashboard)
+    clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
+               for k, v in given.items() if saved.get(k) != v and k not in free]
+    if clashes:
+        raise SystemExit("retireopd: --resume continues a run with its own config; drop "
+                         + ", ".join(clashes) + " or start a new run")
+    return {**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir}
+
+
+def validate_config(cfg, algorithms: dict, notes: bool = True) -> None:
     """Bad flags fail here, in one line each, before any model is loaded (and flags that are merely unused
-    get a note, unless `notes` is False: a resume said them when the run started)."""
+    get a note, unless `notes` is False: a resume said them when the run started). algorithms: the --algo
+    table (retireopd.py's ALGORITHMS)."""
     not_finite = [f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)}: must be a finite number"
-                  for f in dataclasses.fields(R.Config)
+                  for f in dataclasses.fields(cfg)
                   if isinstance(getattr(cfg, f.name), float) and not math.isfinite(getattr(cfg, f.name))]
     if not_finite:  # (NaN passes every `< 0` below: nothing else is judged until these are fixed)
         raise SystemExit("retireopd: " + "\n".join(not_finite))
     problems = []
-    if cfg.algo not in R.ALGOS:
-        problems.append(f"--algo {cfg.algo!r}: choose one of {', '.join(R.ALGOS)}")
-    if cfg.env not in R.ENVS:
+    if cfg.algo not in algorithms:
+        problems.append(f"--algo {cfg.algo!r}: choose one of {', '.join(algorithms)}")
+    if cfg.env not in ENVS:
         problems.append(f"--env {cfg.env!r}: choose alfworld, webshop or kitchen")
     if cfg.group_size < 2:
         problems.append("--group-size must be >= 2: GRPO normalises within a group")
@@ -545,7 +613,7 @@ def validate_config(cfg: R.Config, notes: bool = True) -> None:
         problems.append(f"--lr {cfg.lr} with --weight-decay {cfg.weight_decay}: an AdamW step moves each weight by "
                         "about lr and multiplies it by 1 - lr * weight decay, so lr must be < 1 and lr * weight "
                         "decay < 1 (the protocol's lr is 1e-6)")
-    algorithm = R.ALGORITHMS.get(cfg.algo)
+    algorithm = algorithms.get(cfg.algo)
     if algorithm is not None and not algorithm.student_opd and cfg.teacher is not None:  # grpo, skill-grpo
         trains = "a teacher and no student" if cfg.algo == "skill-grpo" else "a student without a teacher"
         problems.append(f"--teacher: --algo {cfg.algo} trains {trains}, so it would not be used: drop it, or choose "
@@ -584,10 +652,10 @@ def validate_config(cfg: R.Config, notes: bool = True) -> None:
     if cfg.batch_tasks % multigpu.world_size():
         problems.append(f"--batch-tasks {cfg.batch_tasks}: under torchrun each of the {multigpu.world_size()} processes "
                         "plays whole groups, so it must be a multiple of --nproc_per_node")
-    known = cfg.model in R.MODEL_ALIASES or cfg.model == "tiny" or cfg.model.startswith("random:")
+    known = cfg.model in MODEL_ALIASES or cfg.model == "tiny" or cfg.model.startswith("random:")
     if not known and "/" not in cfg.model and not Path(cfg.model).is_dir():
         problems.append(f"--model {cfg.model}: not a local folder, a hub id (org/name) or an alias "
-                        f"({', '.join([*R.MODEL_ALIASES, 'tiny'])}, random:<alias>)")
+                        f"({', '.join([*MODEL_ALIASES, 'tiny'])}, random:<alias>)")
     import tiny  # the models built in code
     if cfg.model.startswith("random:") and cfg.model.split(":", 1)[1] not in tiny.QWEN25_SHAPES:
         problems.append(f"--model {cfg.model}: random: takes one of {', '.join(tiny.QWEN25_SHAPES)}")

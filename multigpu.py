@@ -3,9 +3,10 @@
 `torchrun --nproc_per_node N retireopd.py ...` runs the same script in N processes, one GPU each (gloo
 on CPU). Every rank plays its share of the B tasks, whole GRPO groups, so the advantages need nothing
 from another rank; the policy, the teacher and the reference are sharded with FSDP2 (fully_shard);
-each optimizer step is one update over the global mini-batch; rank 0 alone writes the run folder and
-prints. The method in retireopd.py calls this module only inside its `if ddp:` blocks; the code below its
-banner calls the gathering helpers, which with one process return their input.
+each optimizer step is one update over the global mini-batch, the ranks' gradients summed; rank 0 alone
+writes the run folder and prints. The method in retireopd.py calls this module only in its three
+`if ddp:` steps; the code below its banner calls the gathering helpers, which with one process return
+their input. A leaf: where it needs a function of the method, that is passed in.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Iterator, Optional
 import torch
 import transformers
 
-import retireopd as R
+from common import pick_device
 
 
 def world_size() -> int:
@@ -36,10 +37,10 @@ def main_process() -> bool:
     return rank() == 0
 
 
-def start_processes(cfg: R.Config) -> torch.device:
+def start_processes(cfg) -> torch.device:
     """The training device; under torchrun also the process group (NCCL on GPUs, gloo on CPU), each
     rank on its own GPU, the other ranks' prints silenced, and rank 0's --run-dir on every rank."""
-    device = R.pick_device(cfg.device)
+    device = pick_device(cfg.device)
     if world_size() == 1:
         return device
     if device.type == "cuda":
@@ -132,25 +133,25 @@ def in_lockstep(batches: list, idle_pass) -> Iterator:
         idle_pass()
 
 
-def idle_pass(model, cfg: R.Config, backward: bool = False) -> None:
-    """One forward (and backward) that changes nothing: a one-token response, its loss times 0."""
-    logp = R.sequence_logprobs(model, [[0]], [[0]], cfg)
-    if backward:
-        (logp.sum() * 0).backward()
-
-
-def shard(model, device: torch.device):
+def shard(model, device: torch.device, score_tokens):
     """FSDP2: every decoder layer, then the rest (embeddings, final norm, lm_head), sharded over the
-    ranks. The scoring forward (score_tokens: the base model, then our lm_head chunks) is registered
-    as a forward of the sharded model, so that FSDP gathers the root's weights for it and reduces
-    their gradients; model.generate is never called on it (sampling_model)."""
+    ranks. The scoring forward (score_tokens(model, ...): the base model, then our lm_head chunks) is
+    registered as a forward of the sharded model, so that FSDP gathers the root's weights for it and
+    reduces their gradients; model.generate is never called on it (sampling_model).
+
+    The ranks' gradients are summed, not averaged (FSDP's default): each rank's loss is its own
+    samples' part of the global mini-batch's token-mean (ppo_update), so their sum is the gradient of
+    that mean, as one process computes it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     mesh = init_device_mesh(device.type, (world_size(),))
     for layer in model.base_model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.score_tokens = functools.partial(R.score_tokens, model)
+    for module in (*model.base_model.layers, model):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # (a plain sum: no averaging op, no pre-scaling)
+    model.score_tokens = functools.partial(score_tokens, model)
     register_fsdp_forward_method(model, "score_tokens")
     return model
 

@@ -10,12 +10,15 @@ retired and GRPO alone goes on.
 
 Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
 math, 4 rollout, 5 update, 6 one iteration, a phase, the two phases. There the method ends, at a
-banner. Below it is what one process needs to run it (the episodes, the model calls, the
-environments, loading, the run folder, the command line). Several processes (torchrun) add the
-`if ddp:` blocks, whose helpers are in multigpu.py; the checks and repairs of a run folder are in
-checks.py, the memory estimate, dashboards, plot and benchmark in tools.py, the models built in code
-in tiny.py. `python retireopd.py` runs the offline demo; --help lists every flag. Every deliberate
-choice, with its reason, is in docs/choices.md.
+banner. Below it is what one process needs to run it (evaluation and the update's bookkeeping, the
+scoring forward, loading, the run folder, the command line). Several processes (torchrun) add three
+`if ddp:` steps, with helpers in multigpu.py. The rest lives in modules named for what they hold, none
+of which imports this file: engine.py samples (generate), environments.py drives alfworld_env.py,
+webshop_env.py and kitchen_env.py (the offline demo's) through one interface, tiny.py builds the
+models made in code, checks.py checks flags, models and run folders, memory.py and dashboards.py
+measure and show a run, common.py holds what they share; bench.py times the model calls. `python
+retireopd.py` runs the offline demo; --help lists every flag. Every deliberate choice, with its
+reason, is in docs/choices.md.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import dataclasses
 import functools
 import gc
 import json
-import math
 import os
 import random
 import re
@@ -44,12 +46,18 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-import alfworld_env  # ALFWorld's engine machinery (alfworld itself is imported only when a game is played)
-import webshop_env  # WebShop's catalogue, search engine and reward, in pure Python
-
-sys.modules.setdefault("retireopd", sys.modules[__name__])  # run as a script, the modules below import it by name
-import checks  # noqa: E402 (the run folder's checks and repairs)
-import multigpu  # noqa: E402 (what several processes add: each `if ddp:` block of the method)
+import alfworld_env  # ALFWorld on its real engine, and its skill notes
+import checks  # flags, model sources, teachers and run folders, checked in one line; a damaged run folder repaired
+import dashboards  # the live dashboard (--report-to), the summary line, the plot
+import kitchen_env  # the offline demo's kitchen, and its skill notes
+import memory  # the peak-memory gauges and the memory estimate
+import multigpu  # what several processes add: the three `if ddp:` steps of the method
+import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
+import webshop_env  # WebShop in pure Python, and its skill notes
+from common import (MODEL_ALIASES, PHASES, checkpoint_folders, finite_json, read_jsonl,
+                    read_trainer_state, resolve_model_name, save_pretrained_as, write_text_atomically)
+from engine import autocast, generate  # sampling a batch of answers from the full distribution
+from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
 
 
 # ==================================================================================================
@@ -76,11 +84,8 @@ ALGORITHMS = {  # teacher_phase, student_phase, student_grpo, student_opd, stude
     "opd": Algorithm(True, True, False, True, None),  # pure distillation
     "grpo+opd": Algorithm(True, True, True, True, None),  # GRPO + OPD, never retired
 }
-ALGOS = tuple(ALGORITHMS)
-PHASES = ("teacher", "student")
-ENVS = ("alfworld", "webshop", "kitchen")
-# Several processes: `torchrun --nproc_per_node N retireopd.py` sets WORLD_SIZE. Each `if ddp:` block of
-# the method says what they add (helpers in multigpu.py); `python retireopd.py` runs none of them.
+# Several processes: `torchrun --nproc_per_node N retireopd.py` sets WORLD_SIZE. The method's three `if ddp:`
+# steps say where processes differ (helpers in multigpu.py); `python retireopd.py` runs none of them.
 ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -164,9 +169,11 @@ class Config:
 # ==================================================================================================
 # 2. Skills and prompts
 # ==================================================================================================
-# What the teacher sees beyond the student: its task type's skill block (skill_text). The texts are ours, beside
-# each environment (SKILLS in section 9: KITCHEN_SKILLS, alfworld_env.ALFWORLD_SKILLS, webshop_env.WEBSHOP_SKILLS);
-# --show-prompts prints a student's and a teacher's first prompt.
+# What the teacher sees beyond the student: its task type's skill block (skill_text). The texts are ours, short
+# strategy notes per task type, kept beside each environment as plain data; --show-prompts prints a student's
+# and a teacher's first prompt.
+SKILLS = {"alfworld": alfworld_env.ALFWORLD_SKILLS, "webshop": webshop_env.WEBSHOP_SKILLS,
+          "kitchen": kitchen_env.KITCHEN_SKILLS}
 
 FORMAT_INSTRUCTION = (
     "First reason briefly inside <think> </think>, then give exactly one admissible action inside "
@@ -188,14 +195,14 @@ def skill_text(env_name: str, task_type: str) -> str:
 
 
 def build_user_message(env_name: str, task: str, steps_taken: int, history: list[tuple[str, str]],
-                       observation: str, admissible: list[str], skills: str = "") -> str:
-    """The user message of s_t (student, skills="") or s_t^T (teacher, skills=the skill block).
+                       observation: str, admissible: list[str], skill_block: str = "") -> str:
+    """The user message of s_t (student, no skill_block) or s_t^T (teacher, skill_block = skill_text's).
 
     The content of the authors' verl-agent prompts, in our words: the task, the steps taken, the
     last H (observation, action) pairs, the observation, the admissible actions, the format. One
     function builds both, so the teacher's prompt is the student's plus the skill block.
     """
-    parts = [skills] if skills else []
+    parts = [skill_block] if skill_block else []
     parts.append(f"{ENV_INTRO[env_name]} Your task: {task}")
     steps = f"You have taken {steps_taken} step(s)."
     parts.append(steps + f" Your last {len(history)} observation(s) and action(s):\n" + "\n".join(
@@ -232,12 +239,6 @@ def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, 
         return text[-FALLBACK_CHARS[env_name]:], False
     action = text[start + len("<action>"):end].strip()
     return action, "<think>" in answer and "</think>" in answer and not CJK_RE.search(answer) and not cut
-
-
-def action_from_answer(response: str) -> Optional[str]:
-    """The action of a well-formed answer, None for a malformed one (project_action's rule)."""
-    action, well_formed = project_action(response, "alfworld")
-    return action if well_formed else None
 
 
 # ==================================================================================================
@@ -363,19 +364,24 @@ def micro_batch_denominators(lengths: list, rows: int = 8, mini_batch: Optional[
     return denominators
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Tensor:
-    """sum_k mask_k values_k / num_tokens, how every loss term is aggregated. num_tokens: a count
-    (default mask.sum(); the whole mini-batch's, so micro-batch losses add up to its token-mean) or,
-    for --loss-agg authors, a tensor like mask of per-token denominators (micro_batch_denominators)."""
-    if isinstance(num_tokens, torch.Tensor):
-        return (values * mask / num_tokens).sum()
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[float] = None,
+               denominators: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """How every loss term is aggregated over (micro-)batch tokens; values, mask: (B, T) or flat.
+
+        sum_k mask_k values_k / num_tokens     (num_tokens: default mask.sum(); the whole mini-batch's
+                                                count, so micro-batch losses add up to its token-mean)
+        sum_k mask_k values_k / D_k            (denominators D, like mask: --loss-agg authors,
+                                                micro_batch_denominators)
+    """
+    if denominators is not None:
+        return (values * mask / denominators).sum()
     return (values * mask).sum() / max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip: float = 0.2, dual_clip: float = 3.0, ref_logp: Optional[torch.Tensor] = None,
                 kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
-                num_tokens: Optional[float | torch.Tensor] = None):
+                num_tokens: Optional[float] = None, denominators: Optional[torch.Tensor] = None):
     """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
                                                                      (paper: the RL backbone)
         ratio_k = exp(clamp(l^theta_k - l^old_k, -20, 20))   (verl's clamp: never inf)
@@ -385,10 +391,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
 
     (B, T) tensors (any matching shape); advantages per token. The KL clamp at 10 is verl's
-    low_var_kl. num_tokens: token_mean's (the whole mini-batch's token count, default mask.sum(), so
-    that micro-batch losses add up to its token-mean; or per-token denominators); the stats (pg_loss,
-    clip_frac, dual_clip_frac, approx_kl_old = mean l^old - l^theta, kl_ref, entropy) add up the same
-    way. Returns (loss, stats).
+    low_var_kl. num_tokens, denominators: token_mean's (the whole mini-batch's token count, default
+    mask.sum(), so that micro-batch losses add up to its token-mean; or per-token denominators); the
+    stats (pg_loss, clip_frac, dual_clip_frac, approx_kl_old = mean l^old - l^theta, kl_ref, entropy)
+    add up the same way. Returns (loss, stats).
     """
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -advantages * ratio
@@ -396,7 +402,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     clip_loss = torch.maximum(unclipped, clipped)
     dual_cap = -advantages * dual_clip
     per_token = torch.where(advantages < 0, torch.minimum(clip_loss, dual_cap), clip_loss)
-    mean = lambda values: float(token_mean(values.detach().float(), mask, num_tokens))  # noqa: E731
+    mean = lambda values: float(token_mean(values.detach().float(), mask, num_tokens, denominators))  # noqa: E731
     stats = {"pg_loss": mean(per_token), "clip_frac": mean(clipped > unclipped),
              "dual_clip_frac": mean((clip_loss > dual_cap) & (advantages < 0)),
              "approx_kl_old": mean(old_logp - logp)}
@@ -407,11 +413,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if entropy_coef > 0 and entropy is not None:
         per_token = per_token - entropy_coef * entropy
         stats["entropy"] = mean(entropy)
-    return token_mean(per_token, mask, num_tokens), stats
+    return token_mean(per_token, mask, num_tokens, denominators), stats
 
 
 def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
-             num_tokens: Optional[float | torch.Tensor] = None):
+             num_tokens: Optional[float] = None, denominators: Optional[torch.Tensor] = None):
     """The on-policy distillation loss, a term of its own outside the PPO clip.  (paper: OPD term)
 
         w_k    = exp(min(l^theta_k - l^old_k, 10))                     (importance weight)
@@ -426,24 +432,27 @@ def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Ten
     teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
     weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
     k3_teacher = k3(logp, teacher_logp, max_log_ratio=20.0)
-    loss = token_mean(weight * k3_teacher, mask, num_tokens)
+    loss = token_mean(weight * k3_teacher, mask, num_tokens, denominators)
     return loss, {"opd_loss": float(loss.detach())}
 
 
 def combined_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
                   advantages: Optional[torch.Tensor] = None, teacher_logp: Optional[torch.Tensor] = None,
-                  opd_coef: float = 0.0, num_tokens: Optional[float | torch.Tensor] = None, **ppo):
+                  opd_coef: float = 0.0, num_tokens: Optional[float] = None,
+                  denominators: Optional[torch.Tensor] = None, **ppo):
     """The loss minimised on one (micro-)batch.          (paper: the student's objective)
 
         L = L_PPO(A) + kl_coef KL_ref - entropy_coef H  +  lambda L_OPD
 
     advantages None (--algo opd): lambda L_OPD alone. teacher_logp None or lambda = 0 (phase 1, GRPO,
-    after retirement): no OPD term. ppo: policy_loss's other arguments. Returns (loss, stats)."""
+    after retirement): no OPD term. num_tokens, denominators: token_mean's. ppo: policy_loss's other
+    arguments. Returns (loss, stats)."""
     loss, stats = logp.new_zeros(()), {}
     if advantages is not None:
-        loss, stats = policy_loss(logp, old_logp, advantages, mask, num_tokens=num_tokens, **ppo)
+        loss, stats = policy_loss(logp, old_logp, advantages, mask, num_tokens=num_tokens,
+                                  denominators=denominators, **ppo)
     if teacher_logp is not None and opd_coef > 0:
-        distill, distill_stats = opd_loss(logp, old_logp, teacher_logp, mask, num_tokens)
+        distill, distill_stats = opd_loss(logp, old_logp, teacher_logp, mask, num_tokens, denominators)
         loss, stats = loss + opd_coef * distill, {**stats, **distill_stats}
     return loss, stats
 
@@ -554,9 +563,10 @@ class Retirement:
 # ==================================================================================================
 # 4. Rollout: B tasks x G episodes, played in lock-step
 # ==================================================================================================
-# At every turn the prompts of all active episodes are answered in one batched call (generate: the full
-# distribution at temperature 1), then every environment is stepped; each turn is one training sample. The
-# policy's prompt carries skills only in phase 1; in phase 2 the teacher's s_t^T is stored beside it, to score.
+# At every turn the prompts of all active episodes are answered in one batched call (generate, engine.py: the
+# full distribution at temperature 1), then every environment is stepped (environments.py); each turn is one
+# training sample. The policy's prompt carries skills only in phase 1; in phase 2 the teacher's s_t^T is stored
+# beside it, to score.
 
 
 @dataclass
@@ -577,7 +587,7 @@ def encode_prompt(tokenizer, user_message: str) -> list:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def episode_prompts(tokenizer, episode: EpisodeState, cfg: Config, skills: str) -> tuple[list, list, bool]:
+def episode_prompts(tokenizer, episode: EpisodeState, cfg: Config, skill_block: str) -> tuple[list, list, bool]:
     """(student prompt ids, teacher prompt ids, truncated) for the episode's current turn. A student
     prompt over max_prompt_tokens drops history pairs, then keeps the observation's tail; the
     teacher prompt is the same content plus the skill block, never cut."""
@@ -596,8 +606,8 @@ def episode_prompts(tokenizer, episode: EpisodeState, cfg: Config, skills: str) 
         else:
             break  # the admissible list alone is too long: keep it, the budget is advisory here
     teacher = encode_prompt(tokenizer, build_user_message(
-        cfg.env, episode.task, episode.turns, history, observation, episode.admissible, skills)) \
-        if skills else student
+        cfg.env, episode.task, episode.turns, history, observation, episode.admissible, skill_block)) \
+        if skill_block else student
     return student, teacher, truncated
 
 
@@ -663,10 +673,7 @@ def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = 
     prompts = [s.teacher_prompt_ids if teacher_prompt else s.prompt_ids for s in samples]
     lengths = [len(p) + len(s.response_ids) for p, s in zip(prompts, samples)]
     out: list = [None] * len(samples)
-    batches = make_micro_batches(lengths, cfg.token_budget)
-    if ddp:  # every rank makes as many forwards (each forward of a sharded model is collective)
-        batches = multigpu.in_lockstep(batches, lambda: multigpu.idle_pass(model, cfg))
-    for batch in batches:
+    for batch in micro_batches(model, lengths, cfg):
         flat = sequence_logprobs(model, [prompts[i] for i in batch], [samples[i].response_ids for i in batch], cfg)
         for i, logp in zip(batch, flat.split([len(samples[i].response_ids) for i in batch])):
             out[i] = logp.float().cpu()
@@ -678,37 +685,27 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                teacher_logp: Optional[list] = None, opd_coef: float = 0.0, rng: Optional[random.Random] = None) -> dict:
     """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch: its
     combined_loss is the token-mean over the whole mini-batch (--loss-agg authors: the authors' mean of
-    micro-batch token-means, micro_batch_denominators; under torchrun, of the global batch: each rank
-    computes its own samples' part), accumulated over micro-batches of at most cfg.token_budget padded
-    tokens (how these are cut does not change the loss). advantages[i]: (len(y_i),), None for pure OPD;
-    teacher_logp: l^T, None for no OPD term. A non-finite loss or gradient skips its step. Returns the
-    update's metrics."""
+    micro-batch token-means, micro_batch_denominators), accumulated over micro-batches of at most
+    cfg.token_budget padded tokens (how these are cut does not change the loss). advantages[i]:
+    (len(y_i),), None for pure OPD; teacher_logp: l^T, None for no OPD term. A non-finite loss or
+    gradient skips its step. Returns the update's metrics."""
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
-    meter = UpdateMeter()  # loss and stat sums, token counts, gradient norms (plumbing)
+    meter = UpdateMeter()  # sums of the loss terms, tokens, gradient norms: for metrics.jsonl (plumbing)
+    batches = MiniBatches(model, samples, cfg, meter)  # the samples each mini-batch draws, in micro-batches
     with_entropy = advantages is not None and cfg.entropy_coef > 0
     model.train()
-    response_lengths = [len(s.response_ids) for s in samples]  # the mini-batches draw from these
-    first = 0  # where this process's samples start among them
-    if ddp:  # from every rank's samples: where this rank's start, and the lengths of all
-        first, response_lengths = multigpu.global_batch(samples)
     for _epoch in range(cfg.ppo_epochs):
-        order = list(range(len(response_lengths)))
+        order = list(range(len(batches.response_lengths)))
         rng.shuffle(order)
         for start in range(0, len(order), mini_batch):
             mini = order[start:start + mini_batch]
-            num_tokens = sum(response_lengths[i] for i in mini)  # the mini-batch's token count
-            denominators = None if cfg.loss_agg == "exact" else dict(zip(mini, micro_batch_denominators(
-                [response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch)))  # --loss-agg authors
-            mine = mini
-            if ddp:  # this rank's samples in the mini-batch, as indices into its own
-                mine = [i - first for i in mini if 0 <= i - first < len(samples)]
+            num_tokens = sum(batches.response_lengths[i] for i in mini)  # the mini-batch's token count
+            denominators = None if cfg.loss_agg == "exact" else batches.per_token(mini, micro_batch_denominators(
+                [batches.response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch))  # --loss-agg authors
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            micro_batches = meter.micro_batches(samples, mine, cfg.token_budget)
-            if ddp:  # every rank makes as many forward/backward passes (each is collective)
-                micro_batches = multigpu.in_lockstep(micro_batches, lambda: multigpu.idle_pass(model, cfg, True))
-            for idx in micro_batches:
+            for idx in batches.micro_batches(mini):
                 scored = sequence_logprobs(model, [samples[i].prompt_ids for i in idx],
                                            [samples[i].response_ids for i in idx], cfg, with_entropy=with_entropy)
                 logp, entropy = scored if with_entropy else (scored, None)
@@ -718,19 +715,13 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                     logp, cat(old_logp), torch.ones_like(logp), advantages=cat(advantages), clip=cfg.clip_eps,
                     dual_clip=cfg.dual_clip, ref_logp=cat(ref_logp), kl_coef=kl_coef, entropy=entropy,
                     entropy_coef=cfg.entropy_coef, teacher_logp=cat(teacher_logp), opd_coef=opd_coef,
-                    num_tokens=num_tokens if denominators is None else cat(
-                        {i: torch.full((len(samples[i].response_ids),), float(denominators[first + i])) for i in idx}))
+                    num_tokens=num_tokens, denominators=cat(denominators))
                 finite = finite and bool(torch.isfinite(loss))
-                if ddp:  # FSDP averages the ranks' gradients; their sum is wanted
-                    (loss * multigpu.world_size()).backward()
-                else:
-                    loss.backward()
+                loss.backward()
                 if finite:
                     meter.add(loss, stats)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if ddp:  # the norm over every rank's shards; a step only if every rank's loss was finite
-                grad_norm, finite = multigpu.full_tensor(grad_norm), multigpu.all_ranks(finite)
-            if not finite or not torch.isfinite(grad_norm):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # the norm before clipping
+            if not batches.all_finite(finite, grad_norm):  # a non-finite loss or gradient: no step
                 meter.skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 continue
@@ -760,7 +751,7 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     A teacher in `frozen` (phase 2, until retired) scores the sampled tokens on s_t^T: the gap K and
     the OPD term. grpo_loss=False (--algo opd) trains on lambda * L_OPD alone."""
     teacher = frozen.teacher
-    sampler = multigpu.sampling_model(policy) if ddp else policy  # ddp: a whole copy of the sharded policy
+    sampler = multigpu.sampling_model(policy) if ddp else policy  # ddp: each rank samples with a whole copy
     samples, _, record = rollout(sampler, tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
                                  skills_in_prompt=skills_in_prompt, with_teacher_prompts=teacher is not None,
                                  temperature=cfg.temperature, desc=desc)
@@ -775,7 +766,7 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     # log-probs of the sampled tokens: l^old (the rollout policy), l^T (the teacher, on s_t^T), the reference
     with timed(record, "t_old_logp"):
         old_logp = response_logprobs(policy, samples, cfg)
-    record.update(sample_logp_gap(samples, old_logp))
+    record.update(sampling_numerics(samples, old_logp))  # the sampler's log-probs against the scorer's
     teacher_logp = ref_logp = None
     if teacher is not None:
         with timed(record, "t_teacher"):
@@ -804,20 +795,17 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     successes. resume: a checkpoint's trainer state; training goes on after its iteration."""
     device = next(policy.parameters()).device
     optimizer = build_adamw(policy, cfg)
-    rng = random.Random(cfg.seed * 1000 + PHASES.index(phase))  # task sampling and mini-batches
-    sampling_seed = cfg.seed * 1000 + PHASES.index(phase)  # sampling: per phase
-    if ddp:  # and per rank: each plays other episodes
-        sampling_seed += 100_000 * multigpu.rank()
-    torch.manual_seed(sampling_seed)
+    phase_seed = cfg.seed * 1000 + PHASES.index(phase)
+    rng = random.Random(phase_seed)  # task sampling and mini-batches
+    seed_sampling(phase_seed)  # the rollouts' sampling (torch's generator)
     # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
     distilling = retirement is not None or frozen.teacher is not None
     mini_batch, kl_coef = phase_protocol(cfg, distilling)
-    val_successes, first = restore_phase(resume, policy, optimizer, rng, device) if resume else ([], 0)
+    val_successes, start = restore_phase(resume, policy, optimizer, rng, device) if resume else ([], 0)
     iterations = phase_iterations(cfg, phase)
     if resume is None and not distilling:  # the starting model, before any update, as the authors' phase-1
         validate(phase, -1, policy, tokenizer, suite, cfg, run, skills_in_prompt)  # and GRPO scripts do
-    bar = tqdm(range(first, iterations), desc=f"{phase} ({cfg.algo})", dynamic_ncols=True, initial=first,
-               total=iterations, disable=ddp and not multigpu.main_process())  # ddp: rank 0's bar alone
+    bar = progress_bar(range(start, iterations), desc=f"{phase} ({cfg.algo})", initial=start, total=iterations)
     for iteration in bar:
         started = start_measuring(device)
         tasks = [rng.choice(suite.train) for _ in range(cfg.batch_tasks)]
@@ -851,7 +839,7 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     return val_successes
 
 
-def train_teacher(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
+def train_teacher(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) -> None:
     """Phase 1, Skill-GRPO: the base model trained with GRPO while the task's skills sit in its
     prompt, then frozen and saved, with S_T (its validation success with skills) beside it."""
     policy, tokenizer, resume = models.policy("teacher")
@@ -862,12 +850,12 @@ def train_teacher(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> No
                               resume=resume)
     teacher_success = teacher_success_rate(validations)
     for skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo reports both ways
-        run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=skills,
+        run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills_in_prompt=skills,
                                            desc=f"teacher report ({'skills' if skills else 'no skills'})"))
     run.save_teacher(policy, tokenizer, teacher_success, validations)
 
 
-def train_student(cfg: Config, suite: TaskSuite, run: Run, models: Models, teacher_success: Optional[float]):
+def train_student(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader, teacher_success: Optional[float]):
     """Phase 2: a fresh, skill-free student from the base model, trained as ALGORITHMS[cfg.algo]
     says: GRPO, plus lambda * L_OPD toward the frozen teacher until it retires (or never)."""
     algorithm = ALGORITHMS[cfg.algo]
@@ -885,106 +873,31 @@ def train_student(cfg: Config, suite: TaskSuite, run: Run, models: Models, teach
     run.log_memory_estimate(policy, "phase 2", frozen)
     train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
                 grpo_loss=algorithm.student_grpo, retirement=retirement, resume=resume)
-    run.log_report("student", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills=False,
+    run.log_report("student", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills_in_prompt=False,
                                        desc="student report"))
     run.save_student(policy, tokenizer, teacher_success, retirement)
 
 
-def train(cfg: Config, suite: TaskSuite, run: Run, models: Models) -> None:
+def train(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) -> None:
     """The two phases, as ALGORITHMS[cfg.algo] says. A phase whose model is saved is not redone."""
     algorithm = ALGORITHMS[cfg.algo]
     if algorithm.teacher_phase and not models.teacher_saved():
         train_teacher(cfg, suite, run, models)
         gc.collect()  # the teacher is saved; its training copy and optimizer leave memory
-    if algorithm.student_phase and "student" not in run.finished_phases():
+    if algorithm.student_phase and "student" not in finished_phases(run.dir):
         teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.student_opd else None
         train_student(cfg, suite, run, models, teacher_success)
 
 
 ####################################################################################################
-# The method ends here. Below: what one process needs to run it. The episodes and evaluation, the
-# model calls, the environments, loading, the run folder, the command line; none changes the math.
+# The method ends here. Below: what one process needs to run it. Evaluation and the phase's bookkeeping,
+# the scoring forward and the update's, loading, the run folder, the command line; none changes the math.
 ####################################################################################################
 
 
 # ==================================================================================================
-# 7. What the method calls: episodes, evaluation, the phase's bookkeeping, the models it holds
+# 7. What the method calls: the rollout's meter, evaluation, the phase's bookkeeping, the models it holds
 # ==================================================================================================
-
-
-@dataclass
-class EpisodeState:
-    """What the rollout loop tracks of one episode: its environment, what the prompt shows, its turns."""
-    env: Any
-    group: int
-    index: int = 0  # i: its place among the iteration's episodes
-    task: str = ""
-    task_type: str = ""
-    observation: str = ""
-    admissible: list = field(default_factory=list)
-    history: list = field(default_factory=list)  # (observation, action) pairs
-    samples: list = field(default_factory=list)  # its TurnSamples, one per turn
-    turns: int = 0
-    won: bool = False
-    done: bool = False
-    error: Optional[str] = None
-
-
-def env_calls(calls: list) -> list:
-    """[(env, method, args)] -> their results, in order; an exception is returned in place of its
-    result, not raised. Envs in ALFWorld worker processes run in parallel; the others one by one."""
-    results, remote, local = [None] * len(calls), {}, []
-    for k, (env, method, args) in enumerate(calls):
-        if isinstance(env, alfworld_env.RemoteAlfWorldEnv):
-            remote.setdefault(env.workers, []).append((k, (env.worker, env.env_id, env.spec, method, args)))
-        else:
-            local.append(k)
-    for workers, batch in remote.items():
-        for (k, _), result in zip(batch, workers.run([call for _, call in batch])):
-            results[k] = result
-    for k in local:
-        env, method, args = calls[k]
-        try:
-            results[k] = getattr(env, method)(*args)
-        except Exception as exc:
-            results[k] = exc
-    return results
-
-
-def start_episodes(episodes: list) -> None:
-    """Reset every episode's environment (in parallel with --env-workers). A task whose reset fails (an
-    exception, or an error the environment reports) is an error: the episode ends with no turn, so it
-    is never trained on, and it is counted (env_errors); evaluate leaves it out of the success rate."""
-    for episode, result in zip(episodes, env_calls([(e.env, "reset", ()) for e in episodes])):
-        error = repr(result) if isinstance(result, Exception) else result[1].get("error")
-        if error:
-            episode.done, episode.error = True, f"reset: {error}"
-            continue
-        episode.observation, info = result
-        episode.task, episode.task_type, episode.admissible = info["task"], info["task_type"], info["admissible"]
-
-
-def step_episodes(actions: list, active: list, max_turns: int) -> None:
-    """Step each (episode, action); then every active episode at max_turns is done."""
-    results = env_calls([(episode.env, "step", (action,)) for episode, action in actions])
-    for (episode, action), result in zip(actions, results):
-        if isinstance(result, Exception):
-            episode.done, episode.error = True, f"step: {result!r}"
-            continue
-        observation, _, env_done, info = result
-        episode.history.append((episode.observation, action))
-        episode.observation, episode.admissible = observation, info["admissible"]
-        episode.won, episode.done = bool(info["won"]), bool(env_done or info["won"])
-        if info.get("error"):
-            episode.error = info["error"]
-    for episode in active:
-        if episode.turns >= max_turns:
-            episode.done = True
-
-
-def close_episodes(episodes: list) -> None:
-    """Hand engines back (to this process's pool, or the worker's)."""
-    env_calls([(e.env, "close", ()) for e in episodes if hasattr(e.env, "close")])
 
 
 class RolloutMeter:
@@ -1026,7 +939,7 @@ class RolloutMeter:
                 "gen_ms_per_step": 1000 * timers["t_generate"] / max(steps, 1)}
 
 
-def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skills: bool, desc: str) -> dict:
+def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skills_in_prompt: bool, desc: str) -> dict:
     """Success on a fixed panel (`tasks`) at the evaluation temperature, per task type and overall.
 
     The panels never change between runs (sorted games / the fixed validation goals); episodes
@@ -1041,7 +954,7 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
         for start in range(0, len(tasks), chunk):  # under torchrun: this rank's share of each (maybe none)
             batch = tasks[start:start + chunk][multigpu.rank()::multigpu.world_size()]
             _, episodes, _ = rollout(model, tokenizer, suite, batch, cfg, group_size=1,
-                                     skills_in_prompt=skills, with_teacher_prompts=False,
+                                     skills_in_prompt=skills_in_prompt, with_teacher_prompts=False,
                                      temperature=cfg.eval_temperature, desc=desc)
             records += [(e.task_type or suite.task_type(task), e.won, e.error) for e, task in zip(episodes, batch)]
     records = [record for part in multigpu.gather_objects(records) for record in part]
@@ -1049,7 +962,7 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
     if records and not played:  # every game of the panel is broken: its "0.0" would be read as a result
         raise SystemExit(f"retireopd: every episode of the {desc} ({len(records)} tasks) failed to start, the first "
                          f"with {records[0][2]}: the data is broken (check --alfworld-data / --webshop-data)")
-    return {**success_by_task_type(played), "env_errors": len(records) - len(played), "skills": skills,
+    return {**success_by_task_type(played), "env_errors": len(records) - len(played), "skills": skills_in_prompt,
             "seed": cfg.seed + 12345, "temperature": cfg.eval_temperature}
 
 
@@ -1072,26 +985,32 @@ def phase_iterations(cfg: Config, phase: str) -> int:
     return (cfg.teacher_iterations or cfg.iterations) if phase == "teacher" else cfg.iterations
 
 
+def steps_before_phases(cfg: Config) -> dict:
+    """{phase: the iterations run before it}: both phases on one axis (a dashboard's steps, as the plot
+    draws them); phase 2 starts at 0 without a phase 1 (--algo grpo)."""
+    return {"teacher": 0, "student": phase_iterations(cfg, "teacher") if ALGORITHMS[cfg.algo].teacher_phase else 0}
+
+
 def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
     """Every eval_every iterations (1-based: 5, 10, ...), and at the phase's last iteration."""
     return (iteration + 1) % cfg.eval_every == 0 or iteration + 1 == iterations
 
 
 def validate(phase: str, iteration: int, policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run,
-             skills: bool) -> dict:
+             skills_in_prompt: bool) -> dict:
     """A validation on the fixed panel, logged to eval.jsonl (iteration -1: before the phase's first
     update). With skills (phase 1, the teacher) it is played twice, as the authors do: with skills
     (what S_T reads) and without. Returns {"val_success": ...} (and "val_success_no_skills")."""
     out = {}
-    for with_skills in (True, False) if skills else (False,):
-        result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills=with_skills,
-                          desc=f"{phase} validation" + ("" if with_skills == skills else " (no skills)"))
+    for with_skills in (True, False) if skills_in_prompt else (False,):
+        result = evaluate(policy, tokenizer, suite, suite.validation_panel, cfg, skills_in_prompt=with_skills,
+                          desc=f"{phase} validation" + ("" if with_skills == skills_in_prompt else " (no skills)"))
         run.log("eval.jsonl", {"phase": phase, "iteration": iteration, "panel": "validation",
                                **({"before_training": True} if iteration < 0 else {}), **result})
-        out["val_success" if with_skills == skills else "val_success_no_skills"] = result["overall"]
+        out["val_success" if with_skills == skills_in_prompt else "val_success_no_skills"] = result["overall"]
     if iteration < 0:
         tqdm.write(f"[retireopd] {phase} before training: validation {out['val_success']:.2f}"
-                   + (f" with skills, {out['val_success_no_skills']:.2f} without" if skills else ""))
+                   + (f" with skills, {out['val_success_no_skills']:.2f} without" if skills_in_prompt else ""))
     return out
 
 
@@ -1107,13 +1026,25 @@ def timed(record: dict, key: str):
 
 def start_measuring(device: torch.device) -> float:
     """An iteration starts: reset the peak-memory counter; returns the start time."""
-    reset_peak_memory(device)
+    memory.reset_peak_memory(device)
     return time.perf_counter()
+
+
+def seed_sampling(phase_seed: int) -> None:
+    """Seed torch's generator, which the rollouts sample from: per phase, and under torchrun per rank (each
+    plays other episodes)."""
+    torch.manual_seed(phase_seed + (100_000 * multigpu.rank() if ddp else 0))
+
+
+def progress_bar(iterations: range, desc: str, initial: int, total: int):
+    """A phase's progress bar (under torchrun rank 0's alone)."""
+    return tqdm(iterations, desc=desc, dynamic_ncols=True, initial=initial, total=total,
+                disable=ddp and not multigpu.main_process())
 
 
 def restore_phase(resume: dict, policy, optimizer, rng: random.Random, device: torch.device) -> tuple[list, int]:
     """Continue a phase from a checkpoint's trainer state: AdamW's moments, the task-sampling and
-    sampling RNGs. Returns (validation successes so far, the first iteration to run)."""
+    sampling RNGs. Returns (validation successes so far, the iteration to go on from)."""
     multigpu.load_optimizer_state(policy, optimizer, resume.pop("optimizer"))  # pop: no second copy of the moments
     rng.setstate(resume["python_rng"])
     set_rng_state(resume["rng"], device)
@@ -1163,18 +1094,17 @@ class FrozenModels:
             torch.cuda.empty_cache()
 
 
-class Models:
-    """Where a run's models come from: the base model (for the tiny demo, its warm-started copy,
-    built once per run folder), a policy to train (the base model, or the checkpoint's when a
-    resume continues that phase), and frozen copies for scoring (the teacher, the KL reference)."""
+class ModelLoader:
+    """Loads a run's models: the base model (for the tiny demo, its warm-started copy, built once per
+    run folder), a policy to train (the base model, or the checkpoint's when a resume continues that
+    phase), and frozen copies for scoring (the teacher, the KL reference)."""
 
     def __init__(self, cfg: Config, run: Run, device: torch.device, checkpoint: Optional[Path] = None,
                  state: Optional[dict] = None):
         self.cfg, self.device, self.checkpoint, self.state = cfg, device, checkpoint, state
         self.base = cfg.model  # what both phases start from, and the KL reference
         if cfg.model == "tiny" and cfg.warm_start > 0:
-            import tiny  # the models built in code
-            self.base = tiny.warm_started_tiny_base(run, device, cfg.warm_start)
+            self.base = warm_started_tiny_base(run, device, cfg.warm_start)
         self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
         if self.teacher_dir.is_dir() and (problem := checks.teacher_folder_problem(self.teacher_dir, cfg.env)):
             raise SystemExit(f"retireopd: {problem}")  # a resume's own teacher/, from another environment
@@ -1191,7 +1121,7 @@ class Models:
         if self.cfg.gradient_checkpointing and self.device.type == "cuda":
             model.activation_checkpointing_enable()
         if ddp:  # FSDP2: each rank holds a shard
-            multigpu.shard(model, self.device)
+            multigpu.shard(model, self.device, score_tokens)
         resume, self.state = (self.state if resuming else None), None  # handed over: held once
         return model, tokenizer, resume
 
@@ -1208,59 +1138,14 @@ class Models:
         dtype = torch.bfloat16 if self.cfg.frozen_dtype == "bfloat16" else torch.float32
         model, _ = load_policy(str(name), self.device, dtype, self.cfg.seed)
         model.requires_grad_(False).eval()
-        return multigpu.shard(model, self.device) if ddp else model
+        return multigpu.shard(model, self.device, score_tokens) if ddp else model
 
 
 # ==================================================================================================
-# 8. Model calls: sampling, scoring, and what keeps them fast and small (bf16, prefill, AdamW)
+# 8. The scoring forward, and the update's bookkeeping
 # ==================================================================================================
-
-
-# The model calls of the rollout (generate) and of the update (sequence_logprobs), and what keeps
-# them fast and small on one GPU.
-
-
-class Sampled(NamedTuple):
-    ids: list  # the response's token ids, ending in EOS unless cut
-    hit_cap: bool  # cut at max_new_tokens without EOS
-    logp: Optional[torch.Tensor] = None  # (len(ids),) fp32, CPU: log-prob of each token at sampling time
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float,
-             prefill_batch: int = 0) -> list:
-    """Sample one response per prompt in one batched call. Returns [Sampled] in prompt order.
-
-    The sampling settings are passed in full (temperature, top_k=0, top_p=1, no repetition
-    penalty) and the logits are fp32 (fp32_output_head): the log-probs we train on are those of
-    the distribution we sampled from. SampledTokenLogprobs keeps each token's log-prob as the
-    sampler saw it, to compare with the scoring pass; prefill_cache prefills prefill_batch prompts
-    per forward (0: all in one).
-    """
-    pad = tokenizer.pad_token_id
-    width = max(len(p) for p in prompts)
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    eos = eos_token_ids(model)
-    sampling = transformers.GenerationConfig(
-        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-        top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
-        repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    recorder = SampledTokenLogprobs()
-    with autocast(device), fp32_output_head(model):
-        split = 0 < prefill_batch < len(prompts) and width > 1
-        cache = prefill_cache(model, input_ids, attention_mask, prefill_batch) if split else None
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=sampling,
-                             logits_processor=transformers.LogitsProcessorList([recorder]), cache=cache)
-    new_tokens = out[:, width:]
-    logps = recorder.finish(new_tokens).float().cpu()
-    responses = []
-    for row, logp in zip(new_tokens.tolist(), logps):
-        end = next((k for k, tok in enumerate(row) if tok in eos), None)
-        n, cut = (end + 1, False) if end is not None else (len(row), True)
-        responses.append(Sampled(row[:n], cut, logp[:n]))
-    return responses
+# The update's model call (sequence_logprobs; the rollout's, generate, is in engine.py), the micro-batches it
+# runs in, and what ppo_update keeps and checks around it.
 
 
 def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_entropy: bool = False):
@@ -1303,103 +1188,6 @@ def score_tokens(model, input_ids: torch.Tensor, picked: tuple, targets: torch.T
         return token_logprobs(hidden[picked], targets, model.get_output_embeddings(), chunk, with_entropy)
 
 
-def autocast(device: torch.device):
-    """bf16 compute on GPU over fp32 master weights (docs/choices.md: Precision); plain fp32 on CPU. Under
-    torchrun its cache of bf16 weight casts is off: it would keep every gathered layer's cast."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not ddp)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def fp32_output_head(model):
-    """Run the output head outside autocast: under bf16 autocast Hugging Face's generate would
-    sample from bf16-rounded logits, while the log-probs we train on come from fp32 logits
-    (token_logprobs). Only the last position goes through the head, so this costs nothing."""
-    head = model.get_output_embeddings()
-
-    def forward(hidden):
-        with torch.autocast(hidden.device.type, enabled=False):
-            return type(head).forward(head, hidden.to(head.weight.dtype)).float()
-
-    head.forward = forward  # an instance attribute shadows the class's forward until deleted
-    try:
-        yield
-    finally:
-        del head.forward
-
-
-class SampledTokenLogprobs(transformers.LogitsProcessor):
-    """Records log pi(y_k | s, y_<k) of every token that generate samples, keeping only the
-    previous step's (batch, vocab) log-softmax, never the (steps, batch, vocab) scores.
-
-    At step k generate calls it with the fp32 scores of token k while input_ids end with token
-    k-1: it gathers token k-1 from the log-softmax kept at step k-1, then keeps step k's; `finish`
-    gathers the last token once generate has returned. Cost: one (batch, vocab) log-softmax and
-    gather per step, beside generate's own softmax of the same scores.
-
-    Position in the processor list (transformers 5.24, `_get_logits_processor`): the processors
-    passed to generate come after the built-in logits processors (none is active with our
-    settings: no repetition penalty, no bad words, no minimum length) and *before* the sampling
-    warpers (temperature, top-k, top-p). The scores seen here are therefore the temperature-1
-    distribution, which is the one sampled from in every training rollout (temperature 1 is
-    enforced); at another temperature (evaluation) they are not the sampled distribution's.
-    """
-
-    def __init__(self):
-        self.previous: Optional[torch.Tensor] = None  # (batch, vocab) log-softmax of the last step
-        self.picked: list = []  # per step k: (batch,) log-prob of token k
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.previous is not None:
-            self.picked.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.previous = torch.log_softmax(scores.float(), dim=-1)
-        return scores  # the distribution is left untouched
-
-    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        """(batch, steps) log-probs of new_tokens, the (batch, steps) ids generate appended. A
-        step generate ran and then undid (its deferred stop check) is dropped."""
-        steps = new_tokens.shape[1]
-        if len(self.picked) < steps:  # the last step's token is only known now
-            self.picked.append(self.previous.gather(1, new_tokens[:, len(self.picked), None]).squeeze(1))
-        self.previous = None
-        if len(self.picked) < steps:
-            raise RuntimeError(f"generate made {steps} steps but showed the scores of {len(self.picked)}")
-        return torch.stack(self.picked[:steps], dim=1)
-
-
-def prefill_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows_per_forward: int):
-    """KV cache of input_ids[:, :-1] (all prompt columns but the last), built rows_per_forward
-    rows at a time, so that the prefill's temporaries (one layer's activations for every prompt
-    token in the forward) grow with rows_per_forward x width instead of B*G x width.
-
-    input_ids, attention_mask: (batch, width), left padded. Positions are numbered as generate
-    numbers them (count of real tokens before, 0 on padding). The sub-batch caches are joined
-    along the batch dimension one layer at a time, each part freed as it is copied, so the join
-    costs one layer's cache on top of the cache itself. model.generate, given the full input_ids
-    and this cache, then runs only the last prompt column for all rows, and decodes on.
-    """
-    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    parts = []
-    for start in range(0, input_ids.shape[0], rows_per_forward):
-        rows = slice(start, start + rows_per_forward)
-        out = model.base_model(input_ids=input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1],
-                               position_ids=positions[rows, :-1], use_cache=True,
-                               cache=transformers.DynamicCache(config=model.config))
-        parts.append(out.cache)
-        del out  # its last_hidden_state is not needed: generate recomputes the last column
-
-    def joined_layers():
-        for layer in range(len(parts[0].layers)):
-            keys = torch.cat([part.layers[layer].keys for part in parts])
-            values = torch.cat([part.layers[layer].values for part in parts])
-            for part in parts:
-                part.layers[layer].keys = part.layers[layer].values = None
-            yield keys, values
-
-    return transformers.DynamicCache(joined_layers(), config=model.config)
-
-
 def make_micro_batches(lengths: list, token_budget: int) -> list:
     """Group sample indices into micro-batches of at most `token_budget` padded tokens.
 
@@ -1419,13 +1207,31 @@ def make_micro_batches(lengths: list, token_budget: int) -> list:
     return batches
 
 
-def sample_logp_gap(samples: list, old_logp: list) -> dict:
+def micro_batches(model, lengths: list, cfg: Config, backward: bool = False):
+    """make_micro_batches(lengths, cfg.token_budget): the passes a scoring (and, with backward, an update)
+    makes. Under torchrun each forward and backward of a sharded model is collective, so every rank
+    then makes as many passes as the rank with the most, the others idle passes."""
+    batches = make_micro_batches(lengths, cfg.token_budget)
+    if ddp:
+        return multigpu.in_lockstep(batches, lambda: idle_pass(model, cfg, backward))
+    return batches
+
+
+def idle_pass(model, cfg: Config, backward: bool = False) -> None:
+    """One forward (and backward) that changes nothing: a one-token response, its loss times 0."""
+    logp = sequence_logprobs(model, [[0]], [[0]], cfg)
+    if backward:
+        (logp.sum() * 0).backward()
+
+
+def sampling_numerics(samples: list, old_logp: list) -> dict:
     """|l^sample - l^old| over every response token: the log-prob each token had when it was
     sampled (cached decode, TurnSample.sample_logp) against the scoring pass's (full forward).
 
-    Both are pi_old at temperature 1, so the gap measures numerics only: ~1e-7 in fp32 on CPU; on
-    a GPU under bf16 autocast, how far the PPO ratio starts from 1. Samples without a recorded
-    log-prob (a scripted generate) are left out; no key at all when none has one.
+    Both are pi_old at temperature 1, so the difference measures numerics only: ~1e-7 in fp32 on CPU;
+    on a GPU under bf16 autocast, how far the PPO ratio starts from 1 (its metrics keys say "gap";
+    not the gap K). Samples without a recorded log-prob (a scripted generate) are left out; no key at
+    all when none has one.
     """
     pairs = [(s.sample_logp, old) for s, old in zip(samples, old_logp) if s.sample_logp is not None]
     gap = multigpu.cat_over_ranks([(sampled - old).abs() for sampled, old in pairs])
@@ -1476,23 +1282,65 @@ def build_adamw(model, cfg: Config) -> torch.optim.AdamW:
                              fused=True if on_cuda else None)
 
 
+class MiniBatches:
+    """The turn-samples that ppo_update's mini-batches draw, and the micro-batches it runs them in.
+
+    One process: `response_lengths` are its samples', and a mini-batch's samples are all its own.
+    Under torchrun the mini-batches are drawn from the global batch (every rank's samples, in rank
+    order) with the same seed on every rank, and each rank runs its own samples of each (indices
+    into its own list), in lockstep with the others; a step is taken only if every rank's losses
+    and the gradient norm (over every rank's shards) were finite.
+    """
+
+    def __init__(self, model, samples: list, cfg: Config, meter: UpdateMeter):
+        self.model, self.samples, self.cfg, self.meter = model, samples, cfg, meter
+        self.response_lengths = [len(s.response_ids) for s in samples]  # what the mini-batches draw from
+        self.offset = 0  # where this process's samples start in the batch
+        if ddp:  # every rank's lengths, and where this rank's samples start among them
+            self.offset, self.response_lengths = multigpu.global_batch(samples)
+
+    def own(self, mini: list) -> list:
+        """This process's samples of the mini-batch `mini`, as indices into its own list."""
+        return [i - self.offset for i in mini if 0 <= i - self.offset < len(self.samples)]
+
+    def per_token(self, mini: list, values: list) -> dict:
+        """{own sample: its value (one per sample of `mini`) on each of its response tokens}."""
+        value_of = dict(zip(mini, values))
+        return {i: torch.full((self.response_lengths[self.offset + i],), float(value_of[self.offset + i]))
+                for i in self.own(mini)}
+
+    def micro_batches(self, mini: list):
+        """The micro-batches (lists of own sample indices) of this process's part of `mini`; their tokens
+        trained and padded are counted."""
+        own = self.own(mini)
+        lengths = [len(self.samples[i].prompt_ids) + len(self.samples[i].response_ids) for i in own]
+        batches = make_micro_batches(lengths, self.cfg.token_budget)
+        self.meter.count_tokens([[lengths[j] for j in batch] for batch in batches])
+        batches = [[own[j] for j in batch] for batch in batches]
+        return multigpu.in_lockstep(batches, lambda: idle_pass(self.model, self.cfg, True)) if ddp else batches
+
+    def all_finite(self, finite: bool, grad_norm: torch.Tensor) -> bool:
+        """A step is taken only if the mini-batch's losses and the gradient norm were finite (under
+        torchrun: every rank's, the norm over every rank's shards)."""
+        if ddp:
+            finite = multigpu.all_ranks(finite)
+        return finite and bool(torch.isfinite(multigpu.full_tensor(grad_norm)))
+
+
 class UpdateMeter:
-    """ppo_update's bookkeeping for metrics.jsonl: the sums of each loss term and stat (token-means
-    that add up over micro-batches; averaged over optimizer steps), tokens trained and padded,
-    gradient norms. It also cuts each mini-batch into micro-batches (make_micro_batches)."""
+    """ppo_update's numbers for metrics.jsonl: the sums of each loss term and stat (token-means that add
+    up over micro-batches; averaged over optimizer steps), tokens trained and padded, gradient norms,
+    optimizer steps taken and skipped."""
 
     def __init__(self):
         self.totals, self.grad_norms = {}, []
         self.steps = self.skipped = self.trained_tokens = self.padded_tokens = 0
 
-    def micro_batches(self, samples: list, mini: list, token_budget: int) -> list:
-        """The micro-batches of this process's part `mini` of a mini-batch (lists of sample indices)."""
-        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mini]
-        micro_batches = make_micro_batches(lengths, token_budget)
-        for micro in micro_batches:
-            self.padded_tokens += len(micro) * max(lengths[j] for j in micro)
-            self.trained_tokens += sum(lengths[j] for j in micro)
-        return [[mini[j] for j in micro] for micro in micro_batches]
+    def count_tokens(self, micro_batch_lengths: list) -> None:
+        """The tokens of these micro-batches (each a list of sequence lengths): real, and padded."""
+        for lengths in micro_batch_lengths:
+            self.padded_tokens += len(lengths) * max(lengths)
+            self.trained_tokens += sum(lengths)
 
     def add(self, loss: torch.Tensor, stats: dict) -> None:
         for key, value in {**stats, "loss": float(loss.detach())}.items():
@@ -1500,7 +1348,7 @@ class UpdateMeter:
 
     def stepped(self, grad_norm: torch.Tensor) -> None:
         self.steps += 1
-        self.grad_norms.append(float(grad_norm))
+        self.grad_norms.append(float(multigpu.full_tensor(grad_norm)))
 
     def stats(self) -> dict:
         """Under torchrun the terms and token counts are summed over the ranks: each rank's terms are
@@ -1541,174 +1389,8 @@ def set_rng_state(state, device: torch.device) -> None:
 
 
 # ==================================================================================================
-# 9. Environments: the kitchen, WebShop (webshop_env.py), ALFWorld (alfworld_env.py) behind one interface
+# 9. Loading a model: Qwen2.5 checkpoints, aliases (common.py), the models built in code (tiny.py)
 # ==================================================================================================
-# Every environment is driven through one small interface, so the rollout loop does not care which
-# one it plays:  env.reset() -> (observation, info)  and  env.step(action) -> (observation, reward,
-# done, info), where info carries "task", "task_type" (the skill key), "admissible" and "won". The
-# reward slot is the environment's own (ALFWorld 1 on a win, WebShop the purchase score, the kitchen
-# 1 on a win); the training loop reads only `won` (R_i, turn_scores). Every answer steps the environment, a
-# malformed one with what project_action sends (mostly an inadmissible string, which changes nothing).
-# The skills, the privileged information of self-OPD, are plain data beside each environment: short
-# strategy notes per task type, written by us, that only the teacher sees.
-
-# The offline demo's kitchen (--env kitchen): each dish has a recipe of its own, a seasoning and a
-# way to cook it, and nothing in the task says which. The teacher's skills are the kitchen's notes,
-# and like real strategy notes they are incomplete: they name each dish's seasoning, never how to
-# cook it. So the base model with skills wins about 1 dish in 6 (it guesses the way to cook); phase 1's RL
-# has to find the rest (the teacher ends imperfect where it has not yet), and a student without
-# notes must find both by trial (1 in 36 per dish) or learn them from the teacher.
-KITCHEN_INGREDIENTS = ("salt", "sugar", "pepper", "honey", "vinegar", "ginger")
-KITCHEN_METHODS = ("boil", "bake", "fry", "chill", "roast", "steam")
-KITCHEN_RECIPES = {"brask": ("honey", "fry"), "dorl": ("salt", "chill"), "fimble": ("pepper", "bake"),
-                   "grue": ("sugar", "boil"), "nallow": ("vinegar", "roast"), "trisk": ("ginger", "steam")}
-
-
-def kitchen_note(dish: str, ingredient: str) -> str:
-    return f"Recipe for a {dish}: {ingredient.capitalize()} it, then cook it."
-
-
-KITCHEN_SKILLS = {
-    "general": ["First season the dish as its note says, then cook it; a wrong choice ruins the dish. The "
-                "notes do not say how to cook each dish."],
-    **{dish: [kitchen_note(dish, ingredient)] for dish, (ingredient, _) in KITCHEN_RECIPES.items()},
-}
-
-
-SKILLS = {"alfworld": alfworld_env.ALFWORLD_SKILLS, "webshop": webshop_env.WEBSHOP_SKILLS, "kitchen": KITCHEN_SKILLS}
-
-
-def kitchen_dish(task: int, recipes: Optional[dict] = None) -> str:
-    """A kitchen task is `dish index * 1000 + variant`; the variant only shuffles the order of the
-    admissible actions, so that their position says nothing. Training variants 0-99, panels 500 on."""
-    return sorted(recipes or KITCHEN_RECIPES)[task // 1000]
-
-
-class KitchenEnv:
-    """One dish in the kitchen, in the interface above: two decisions, an ingredient ("honey the
-    brask") and a way to cook it ("fry the brask"), then the dish is served: won (reward 1) iff
-    both were right; a wrong one ruins it, which shows only when it is served. An inadmissible
-    command changes nothing. The commands name the dish just before the choice, as ALFWorld's
-    name objects."""
-
-    def __init__(self, task: int, recipes: Optional[dict] = None):
-        self.recipes = recipes or KITCHEN_RECIPES
-        self.task, self.dish = task, kitchen_dish(task, self.recipes)
-
-    def _info(self, won: bool = False) -> dict:
-        return {"task": f"cook a {self.dish}", "task_type": self.dish, "admissible": list(self.admissible),
-                "won": won}
-
-    def _offer(self, actions: list) -> None:
-        self.admissible = list(actions)
-        self.order.shuffle(self.admissible)
-
-    def reset(self):
-        self.seasoning, self.done = None, False
-        self.order = random.Random(self.task)  # the admissible order of this task's two steps
-        self._offer([f"{ingredient} the {self.dish}" for ingredient in KITCHEN_INGREDIENTS])
-        return "You stand at the stove. The pot is empty.", self._info()
-
-    def step(self, action: str):
-        if self.done or action not in self.admissible:
-            return "Nothing happens.", 0.0, self.done, self._info()
-        choice = action.split()[0]
-        if self.seasoning is None:
-            self.seasoning = choice
-            self._offer([f"{m} the {self.dish}" for m in KITCHEN_METHODS])
-            return f"The {self.dish} is seasoned with {choice}.", 0.0, False, self._info()
-        self.done, self.admissible = True, []
-        if (self.seasoning, choice) == self.recipes[self.dish]:
-            return f"The {self.dish} is ready!", 1.0, True, self._info(won=True)
-        return f"The {self.dish} is ruined.", 0.0, True, self._info()
-
-
-KITCHEN_PANEL = (8, 16)  # episodes per dish: validation (48), report (96); one episode moves them 0.02, 0.01
-
-
-class TaskSuite:
-    """The tasks of one benchmark: a training pool, two fixed panels, an episode factory.
-
-    validation_panel: what the retirement rule and S_T read, every --eval-every iterations (the
-    in-distribution split: ALFWorld's 140 valid_seen games; WebShop's first 128 validation
-    goals). report_panel: the full evaluation at the end of each phase (ALFWorld valid_seen +
-    valid_unseen; WebShop all validation goals). ALFWorld tasks are game files, WebShop tasks goal
-    indices (the seed-233 split of webshop_env). --eval-episodes caps both panels.
-    """
-
-    def __init__(self, cfg: Config):
-        self.cfg, self.workers = cfg, None
-        cap = cfg.eval_episodes
-        if cfg.env == "alfworld":
-            root = alfworld_env.alfworld_data_root(cfg.alfworld_data)
-            splits = ("valid_seen", "valid_unseen")
-            if cfg.alfworld_data == "fixtures":  # our own tiny games, written into the run folder
-                root = alfworld_env.write_fixture_alfworld_games(Path(cfg.run_dir) / "alfworld_fixtures")
-                splits = ("valid_seen",)  # the fixtures have no valid_unseen split
-            self.root = root
-            self.train = alfworld_env.discover_alfworld_games(root, "train")
-            self.validation_panel = alfworld_env.alfworld_eval_panel(root, ("valid_seen",), max_episodes=cap)
-            self.report_panel = alfworld_env.alfworld_eval_panel(root, splits, max_episodes=cap)
-            if cfg.env_workers > 0:
-                self.workers = alfworld_env.AlfWorldWorkers(cfg.env_workers)
-        elif cfg.env == "kitchen":
-            dishes = range(len(KITCHEN_RECIPES))
-            self.train = [d * 1000 + v for d in dishes for v in range(100)]
-            self.validation_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[0]) for d in dishes][:cap]
-            self.report_panel = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[1]) for d in dishes][:cap]
-        else:
-            self.shop = webshop_env.WebShop(data_dir=cfg.webshop_data, reward_mode=cfg.webshop_reward)
-            self.train = list(self.shop.train_goal_indices)
-            validation_goals = list(self.shop.valid_goal_indices)
-            self.validation_panel = validation_goals[:128][:cap]
-            self.report_panel = validation_goals[:cap]
-
-    def task_type(self, task) -> str:
-        if self.cfg.env == "alfworld":
-            return alfworld_env.alfworld_task_type(task)
-        if self.cfg.env == "kitchen":
-            return kitchen_dish(task)
-        category = self.shop.goals[task]["category"]
-        return webshop_env.SKILL_CATEGORY.get(category, category)  # its raw categories -> our skill blocks
-
-    def new_episode(self, task, slot: int = 0):
-        """A fresh episode of `task`. With --env-workers, `slot` (the rollout passes the task's
-        group) picks the worker process that will own it."""
-        if self.cfg.env == "webshop":
-            return webshop_env.WebShopAdapter(self.shop, task)
-        if self.cfg.env == "kitchen":
-            return KitchenEnv(task)
-        if self.workers is not None:
-            worker = slot % len(self.workers.processes)
-            return alfworld_env.RemoteAlfWorldEnv(self.workers, worker, task, self.cfg.max_turns)
-        return alfworld_env.AlfWorldEnv(task, max_turns=self.cfg.max_turns)
-
-    def close(self):
-        if self.workers is not None:
-            self.workers.close()
-
-
-# ==================================================================================================
-# 10. Loading a model: Qwen2.5 checkpoints, aliases, the models built in code (tiny.py)
-# ==================================================================================================
-
-
-MODEL_ALIASES = {
-    "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
-    "Qwen2.5-3B": "Qwen/Qwen2.5-3B-Instruct",
-    "Qwen2.5-7B": "Qwen/Qwen2.5-7B-Instruct",
-}
-
-
-def resolve_model_name(name: str) -> str:
-    """Alias -> hub id; `random:<alias>` and `tiny` are handled by load_policy."""
-    return MODEL_ALIASES.get(name, name)
-
-
-def from_the_cache_only(path: str) -> bool:
-    """A cached hub model while the hub cannot be reached: load it straight from the cache (asking the
-    hub first would retry for minutes)."""
-    return not Path(path).is_dir() and checks.hub_model_cached(path) and checks.hub_answer(path).startswith("unreachable")
 
 
 def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -1720,11 +1402,11 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
     explicitly as well.
     """
     if name == "tiny" or name.startswith("random:"):
-        import tiny  # the models built in code
-        model, tokenizer = tiny.build_model(name, dtype, seed)
+        tokenizer = tiny.build_tiny_tokenizer(prompt_format())
+        model = tiny.build_model(name, dtype, seed, tokenizer)
     else:
         path = resolve_model_name(name)
-        cached_only = from_the_cache_only(path)
+        cached_only = checks.from_the_cache_only(path)
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
@@ -1745,9 +1427,29 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
     return model.to(device), tokenizer
 
 
-def eos_token_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+def prompt_format() -> tiny.PromptFormat:
+    """This file's prompts (section 2), for the models built in code: the tiny tokenizer's vocabulary is
+    trained on them, and the warm start answers them."""
+    return tiny.PromptFormat([*ENV_INTRO.values(), FORMAT_INSTRUCTION], SKILLS, build_user_message, encode_prompt)
+
+
+def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
+    """The offline demo's base model, RUN_DIR/tiny_base: the tiny model after `steps` warm-start steps
+    (tiny.warm_start), built once per run folder (a resume, or a folder that already has it, reuses it).
+    Seed 0 whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
+    folder = run.dir / "tiny_base"
+    if multigpu.main_process() and not (folder / "retireopd.json").is_file():
+        model, tokenizer = load_policy("tiny", device, torch.float32, seed=0)
+        one_thread_if_small(model, device)
+        scoring = Config(model="tiny", env="kitchen", token_budget=1 << 30)  # (sequence_logprobs reads its chunk)
+        report = tiny.warm_start(model, tokenizer, steps, seed=0, prompts=prompt_format(), answer_logprobs=(
+            lambda model, prompts, answers: sequence_logprobs(model, prompts, answers, scoring)))
+        print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
+              f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
+              f"{report['last_loss']:.3f}")
+        run.save_model(model, tokenizer, "tiny_base", {"warm_start": report})
+    multigpu.barrier()  # the other ranks load it from there
+    return str(folder)
 
 
 SMALL_MODEL_PARAMS = 20_000_000
@@ -1762,69 +1464,13 @@ def one_thread_if_small(model, device: torch.device) -> None:
         torch.set_num_threads(1)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 # ==================================================================================================
-# 11. The run folder: logs, models, checkpoints, resume
+# 10. The run folder: logs, models, checkpoints, resume
 # ==================================================================================================
-
-
-def read_jsonl(path: Path, note: bool = False) -> list:
-    """The records of a jsonl log ([] without the file). A last line cut short (a crash or a full
-    disk while it was written) is dropped, with a note when `note`; a damaged line before the
-    last is an error."""
-    path = Path(path)
-    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines):
-                raise SystemExit(f"retireopd: {path} line {number} is not JSON: the log is damaged before its last "
-                                 "line (repair or delete that line)") from None
-            if note:
-                print(f"[retireopd] note: the last line of {path} was cut short (a crash while it was written): "
-                      "dropped")
-    return records
-
-
-def finite_json(value):
-    """value with every float NaN or infinity replaced by None (JSON null), through dicts and lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: finite_json(item) for key, item in value.items()}
-    return [finite_json(item) for item in value] if isinstance(value, (list, tuple)) else value
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """path.write_text(text) that a crash cannot leave half-written: a temp file, then a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def checkpoint_folders(run_dir: Path) -> list:
-    """The resumable checkpoints of a run folder, oldest first (not one being written, nor one set aside)."""
-    folder = Path(run_dir) / "checkpoints"
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith((".tmp", ".corrupt"))) \
-        if folder.is_dir() else []
-
-
-def read_trainer_state(folder: Path) -> dict:
-    """A checkpoint's trainer.pt, memory-mapped (under torchrun every rank reads it; the pages are shared).
-    weights_only: tensors, numbers, strings, lists, tuples and dicts, which is all it holds; a file that
-    asks to build any other object (a pickle can run code) fails to load, and nothing of it runs."""
-    return torch.load(folder / "trainer.pt", weights_only=True, map_location="cpu", mmap=True)
 
 
 class Run:
-    """The side effects of a run: its folder, the jsonl logs, models and checkpoints.
+    """What a run writes into its folder: the jsonl logs, the models and the checkpoints.
 
     run_dir/run.json           which run the folder holds (its id, its inputs; a new run refuses such a folder)
     run_dir/.retireopd.lock    flock'ed by the process running there (lock_run_folder): one process per folder
@@ -1835,11 +1481,12 @@ class Run:
     run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
     run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
 
-    Under torchrun, rank 0 alone writes: every rank calls the same methods (saving a sharded model
+    What a resume reads back is below it (resumable_checkpoint, finished_phases; checks.truncate_logs drops
+    the log lines it redoes). Under torchrun, rank 0 alone writes: every rank calls the same methods (saving a sharded model
     gathers its weights from all of them), and rank 0 writes what they gathered.
     """
     latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
-    tracker: Any = None  # --report-to: a tools.Tracker; every line logged goes there too (main starts it)
+    tracker: Any = None  # --report-to: a dashboards.Tracker; every line logged goes there too (main starts it)
 
     def __init__(self, cfg: Config, inputs: Optional[dict] = None):
         self.cfg = cfg
@@ -1908,64 +1555,14 @@ class Run:
         if multigpu.main_process():
             (self.dir / "checkpoints").mkdir(exist_ok=True)
         self.save_model(model, tokenizer, name, trainer_state={**state, "run_id": self.run_id}, dtype=None)
-        for old in self.checkpoints()[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
+        for old in checkpoint_folders(self.dir)[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
             shutil.rmtree(old, ignore_errors=True)
-
-    def checkpoints(self) -> list:
-        return checkpoint_folders(self.dir)
-
-    def resumable_checkpoint(self) -> tuple[Optional[Path], Optional[dict]]:
-        """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a
-        file cut short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a
-        note, and the one before it is tried. Under torchrun rank 0 chooses, and every rank loads it."""
-        if not multigpu.main_process():
-            name = multigpu.broadcast(None)
-            folder = None if name is None else self.dir / "checkpoints" / name
-            return (None, None) if folder is None else (folder, read_trainer_state(folder))
-        folder, state = checks.first_resumable_checkpoint(self.dir, self.run_id)
-        multigpu.broadcast(folder.name if folder else None)
-        return folder, state
-
-    def finished_phases(self) -> tuple:
-        """The phases whose final model this folder holds (teacher/, student/): a resume skips them."""
-        return tuple(phase for phase in PHASES if (self.dir / phase / "retireopd.json").is_file())
-
-    def truncate_logs(self, phase: str, iteration: int, finished: tuple = ()) -> None:
-        """On resume: drop the log lines of what the resumed run redoes, so that none appears twice:
-        every iteration after the checkpoint (phase, iteration), and the start and end (memory
-        estimate, report, teacher_ready) of every phase not in `finished`, the phases whose final
-        model is saved (they are not redone). A last line cut short by a crash is dropped, with a note."""
-        if not multigpu.main_process():
-            return
-        point = (PHASES.index(phase), iteration)
-        for saved in finished:  # a saved phase is complete, whichever checkpoint is used
-            point = max(point, (PHASES.index(saved), phase_iterations(self.cfg, saved) - 1))
-
-        def keep(record):
-            if record.get("panel") == "report":  # written after the phase's last checkpoint
-                return record["phase"] in finished
-            done = (PHASES.index(record.get("phase", "teacher")), record.get("iteration", -1))
-            return done <= point
-
-        def keep_event(event):
-            if event["event"] == "retirement":
-                return keep({"phase": "student", "iteration": event["decided_after_iteration"]})
-            if event["event"] == "teacher_ready":
-                return "teacher" in finished
-            if event["event"] == "memory_estimate":  # "phase 1" / "phase 2": logged again when it restarts
-                return PHASES[int(event["phase"][-1]) - 1] in finished
-            return True
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            records = [r for r in read_jsonl(self.dir / name, note=True) if keep(r)]
-            write_text_atomically(self.dir / name, "".join(json.dumps(r) + "\n" for r in records))
-        events = [e for e in read_jsonl(self.dir / "events.jsonl", note=True) if keep_event(e)]
-        write_text_atomically(self.dir / "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
 
     def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
         """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after
         a check that every rank fed the retirement rule the same numbers and took the same decision."""
         record["t_iteration"] = multigpu.max_over_ranks(time.perf_counter() - started)
-        record["peak_mem_gb"] = multigpu.max_over_ranks(peak_memory_gb(device))
+        record["peak_mem_gb"] = multigpu.max_over_ranks(memory.peak_memory_gb(device))
         rules = multigpu.gather_objects({key: record.get(key) for key in ("gap", "val_success", "teacher_active", "retired")})
         if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)
             raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {rules}")
@@ -1973,9 +1570,11 @@ class Run:
         self.skipped_streak = checks.note_skipped_steps(record, self.skipped_streak)
 
     def log_memory_estimate(self, policy, phase: str, frozen: FrozenModels, skill_tokens: int = 0) -> None:
-        """Print and log the memory estimate of a phase, before it allocates anything heavy (tools.py)."""
-        import tools
-        tools.print_memory_estimate(policy, self.cfg, self, phase, frozen, skill_tokens)
+        """Print and log the memory estimate of a phase, before it allocates anything heavy (memory.py)."""
+        n_frozen = sum(model is not None for model in (frozen.teacher, frozen.reference))
+        estimate = memory.print_memory_estimate(policy, self.cfg, phase, n_frozen, skill_tokens)
+        self.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": estimate,
+                                  "device": str(next(policy.parameters()).device)})
 
     def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
         """The retirement event (events.jsonl) with the numbers that decided it, and its message."""
@@ -2022,6 +1621,25 @@ class Run:
                                                       "retired_at": retirement.retired_at if retirement else None})
 
 
+def resumable_checkpoint(run: Run) -> tuple[Optional[Path], Optional[dict]]:
+    """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a file cut
+    short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a note, and the
+    one before it is tried (checks.first_resumable_checkpoint). Under torchrun rank 0 chooses, and every
+    rank loads it."""
+    if not multigpu.main_process():
+        name = multigpu.broadcast(None)
+        folder = None if name is None else run.dir / "checkpoints" / name
+        return (None, None) if folder is None else (folder, read_trainer_state(folder))
+    folder, state = checks.first_resumable_checkpoint(run.dir, run.run_id)
+    multigpu.broadcast(folder.name if folder else None)
+    return folder, state
+
+
+def finished_phases(run_dir: Path) -> tuple:
+    """The phases whose final model the run folder holds (teacher/, student/): a resume skips them."""
+    return tuple(phase for phase in PHASES if (run_dir / phase / "retireopd.json").is_file())
+
+
 STOP_REQUESTED: list = []  # the signal received, if any; the run stops at the end of the iteration
 
 
@@ -2044,23 +1662,6 @@ def stop_at_the_next_safe_point(signum: int, _frame) -> None:
               "(a second signal stops at once)", flush=True)
 
 
-def save_pretrained_as(model, folder: Path, dtype: torch.dtype, weights: Optional[dict] = None) -> None:
-    """model.save_pretrained with the weights (default: the model's) cast to dtype (copies on the CPU,
-    a tied weight once), and config.json saying so under both names readers use: `dtype`
-    (transformers >= 4.56) and `torch_dtype` (older transformers, and the vLLM builds pinned to them)."""
-    copies, seen = {}, set()
-    for key, tensor in (model.state_dict() if weights is None else weights).items():
-        if (tensor.data_ptr(), tensor.shape) in seen:  # tied (lm_head = embedding): saved once
-            continue
-        seen.add((tensor.data_ptr(), tensor.shape))
-        copies[key] = tensor.detach().to("cpu", dtype)
-    model.save_pretrained(folder, state_dict=copies)
-    config_file = Path(folder) / "config.json"
-    config = json.loads(config_file.read_text())
-    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def retirement_message(iteration: int, retirement: Retirement, record: dict) -> str:
     if retirement.mode == "fixed":
         return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
@@ -2071,39 +1672,8 @@ def retirement_message(iteration: int, retirement: Retirement, record: dict) -> 
             f"GRPO alone from iteration {retirement.retired_at}")
 
 
-def process_memory_gb(field_name: str = "VmRSS") -> float:
-    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
-
-
-def current_memory_gb(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the
-    process's peak resident set (VmHWM; the process's peak so far where Linux refuses the reset)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return process_memory_gb("VmHWM")
-
-
 # ==================================================================================================
-# 12. Command line and main
+# 11. Command line and main
 # ==================================================================================================
 
 
@@ -2130,12 +1700,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only draw RUN_DIR/plot.png and exit")
     parser.add_argument("--compare", metavar="RUN_DIR", nargs="+", help="only draw several runs on one figure")
-    parser.add_argument("--benchmark", action="store_true",
-                        help="time our rollout/update/log-probs against plain Hugging Face calls and exit")
     parser.add_argument("--show-prompts", action="store_true",
                         help="print the student's and the teacher's first-turn prompt of one task, as the model sees "
                         "them, and exit")
-    import tiny  # the models built in code, and the tiny model's presets
     for f in dataclasses.fields(Config):
         preset = f"; tiny: {tiny.TINY_PRESET[f.name]}" if f.name in tiny.TINY_PRESET else ""  # --model tiny's
         text = f"{f.metadata['help']} [default: {f.default}{preset}]".replace("%", "%%")
@@ -2154,7 +1721,6 @@ def parse_config(given: dict) -> Config:
     Values the user did not give come from the `tiny` preset (for --model tiny) or the Config
     defaults, then the per-benchmark defaults (max turns, prompt budget, mini-batch) fill in.
     """
-    import tiny  # the models built in code, and the tiny model's presets
     values = dict(tiny.TINY_PRESET) if given.get("model", Config.model) == "tiny" else {}
     if values and given.get("env", values["env"]) != "kitchen":
         values.update(tiny.TINY_PRESET_ELSEWHERE)
@@ -2171,7 +1737,7 @@ def parse_config(given: dict) -> Config:
     cfg.mini_batch = cfg.mini_batch or (256 if alfworld else 64)
     if cfg.run_dir is None:
         cfg.run_dir = str(Path("runs") / f"{cfg.env}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-    checks.validate_config(cfg)
+    checks.validate_config(cfg, ALGORITHMS)
     return cfg
 
 
@@ -2191,32 +1757,9 @@ def resolved_data_folders(cfg: Config) -> None:
 
 
 def resume_config(run_dir: str, given: dict) -> Config:
-    """The Config of the run being resumed; flags that contradict it are an error."""
-    saved_file = Path(run_dir) / "config.json"
-    if not saved_file.is_file():
-        raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
-    try:
-        saved = json.loads(saved_file.read_text())
-    except ValueError:
-        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json is damaged (not JSON)") from None
-    known = {f.name for f in dataclasses.fields(Config)}
-    if not isinstance(saved, dict) or set(saved) - known:
-        unknown = sorted(set(saved) - known) if isinstance(saved, dict) else []
-        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json " + (
-            f"has settings this version of retireopd.py does not know ({', '.join(unknown)}): it was written by "
-            "another version; resume it with that one" if unknown else "is not a settings object (damaged)"))
-    # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
-    # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
-    # disk); and S_T, for a run that stopped at S_T = 0
-    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints",
-            "report_to")  # (and where it is watched: the dashboard)
-    clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
-               for k, v in given.items() if saved.get(k) != v and k not in free]
-    if clashes:
-        raise SystemExit("retireopd: --resume continues a run with its own config; drop "
-                         + ", ".join(clashes) + " or start a new run")
-    cfg = Config(**{**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir})
-    checks.validate_config(cfg, notes=False)
+    """The Config of the run being resumed (checks.saved_settings: flags that contradict it are an error)."""
+    cfg = Config(**checks.saved_settings(run_dir, given, {f.name for f in dataclasses.fields(Config)}))
+    checks.validate_config(cfg, ALGORITHMS, notes=False)
     return cfg
 
 
@@ -2246,11 +1789,10 @@ def show_prompts(cfg: Config) -> None:
         episode = EpisodeState(suite.new_episode(task), group=0)
         start_episodes([episode])
         if cfg.model == "tiny" or cfg.model.startswith("random:"):
-            import tiny
-            tokenizer = tiny.build_tiny_tokenizer()
+            tokenizer = tiny.build_tiny_tokenizer(prompt_format())
         else:
             path = resolve_model_name(cfg.model)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=from_the_cache_only(path))
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=checks.from_the_cache_only(path))
         student, teacher, _ = episode_prompts(tokenizer, episode, cfg, skill_text(cfg.env, episode.task_type))
         close_episodes([episode])
         suite.close()
@@ -2260,18 +1802,17 @@ def show_prompts(cfg: Config) -> None:
 
 
 def main(argv: Optional[list] = None) -> Optional[Path]:
-    import tools  # the plot, the benchmark, the dashboards (their packages are imported only when asked for)
     args = vars(build_parser().parse_args(argv))
     resume_dir, plot_dir, compare = args.pop("resume"), args.pop("plot"), args.pop("compare")
     if plot_dir or compare:
         try:
-            out = tools.plot_runs([plot_dir] if plot_dir else compare)
+            out = dashboards.plot_runs([plot_dir] if plot_dir else compare)
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
             raise SystemExit(f"retireopd: cannot draw {', '.join([plot_dir] if plot_dir else compare)}: their logs are "
                              f"not a run's of this script ({type(error).__name__}: {error})") from None
         print(f"[retireopd] wrote {out}" if out else "")
         return out
-    run_benchmark, prompts_only = args.pop("benchmark"), args.pop("show_prompts")
+    prompts_only = args.pop("show_prompts")
     cfg = resume_config(resume_dir, args) if resume_dir else parse_config(args)
     if prompts_only:
         if problem := checks.model_source_problem(cfg.model):
@@ -2283,15 +1824,10 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         return Path(resume_dir)
     if problem := checks.model_source_problem(cfg.model):  # before the data and before anything is written
         raise SystemExit(f"retireopd: {problem}")
-    if problem := tools.Tracker.problem(cfg.report_to):
+    if problem := dashboards.Tracker.problem(cfg.report_to):
         raise SystemExit(f"retireopd: {problem}")
-    if run_benchmark and multigpu.world_size() > 1:
-        raise SystemExit("retireopd: --benchmark runs in one process: start it with python, not torchrun")
     # one process per run folder: rank 0 locks it (under torchrun the other ranks wait in start_processes)
     created = checks.check_run_folder(cfg.run_dir, resuming=bool(resume_dir)) if multigpu.main_process() else []
-    if run_benchmark:
-        tools.print_benchmark(tools.benchmark(cfg), Path(cfg.run_dir))
-        return Path(cfg.run_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = multigpu.start_processes(cfg)  # the device; under torchrun also the process group
@@ -2299,13 +1835,14 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     run = Run(cfg, checks.run_inputs(cfg, suite))
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
     # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.
-    checkpoint, state = run.resumable_checkpoint() if resume_dir else (None, None)
+    checkpoint, state = resumable_checkpoint(run) if resume_dir else (None, None)
     if state is not None and state.get("world_size", 1) != multigpu.world_size():
         raise SystemExit(f"retireopd: {checkpoint} was written by {state.get('world_size', 1)} process(es): resume "
                          f"it with as many (torchrun --nproc_per_node {state.get('world_size', 1)}, or python for 1)")
     if resume_dir:
-        run.truncate_logs(state["phase"] if state else PHASES[0], state["iteration"] if state else -2,
-                          finished=run.finished_phases())  # (-2: nothing done; -1 is the validation before training)
+        if multigpu.main_process():  # (-2: nothing done; -1 is the validation before training)
+            checks.truncate_logs(run.dir, state["phase"] if state else PHASES[0], state["iteration"] if state else -2,
+                                 finished_phases(run.dir), {p: phase_iterations(cfg, p) - 1 for p in PHASES})
         run.log("events.jsonl", {"event": "resume", "checkpoint": checkpoint.name if checkpoint else None})
         print(f"[retireopd] resuming {run.dir} from checkpoint {checkpoint.name}" if checkpoint else
               f"[retireopd] {run.dir} has no checkpoint yet (the first is written after "
@@ -2316,10 +1853,11 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
           + f"; run folder {run.dir}")
 
     if cfg.report_to != "none" and multigpu.main_process():  # the live dashboard (rank 0 reports)
-        redone = tools.tracker_step(cfg, state["phase"], state["iteration"] + 1) if state else 0  # a resume's first step
-        run.tracker = tools.Tracker(cfg, run.dir, run.run_id, purge_step=redone if resume_dir else None)
-    models = Models(cfg, run, device, checkpoint, state)
-    del state  # Models holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
+        steps_before = steps_before_phases(cfg)
+        redone = dashboards.tracker_step(steps_before, state["phase"], state["iteration"] + 1) if state else 0
+        run.tracker = dashboards.Tracker(cfg, run.dir, run.run_id, steps_before, purge_step=redone if resume_dir else None)
+    models = ModelLoader(cfg, run, device, checkpoint, state)
+    del state  # ModelLoader holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
     train(cfg, suite, run, models)
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
     run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
@@ -2329,8 +1867,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     if not multigpu.main_process():
         return run.dir
     checks.release_run_folders()
-    plot = tools.plot_runs([run.dir])
-    print(f"[retireopd] summary: {tools.run_summary(run.dir)}")
+    plot = dashboards.plot_runs([run.dir])
+    print(f"[retireopd] summary: {dashboards.run_summary(run.dir)}")
     print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"
           + (f"; plot {plot}" if plot else ""))
     return run.dir

@@ -2,7 +2,8 @@
 its tokenizer, its warm start and its presets) and `random:<alias>`, a Qwen2.5 shape with random weights.
 
 retireopd.py reads the presets when it parses the flags, and builds a model here when a run asks for one
-(--model tiny, --model random:...).
+(--model tiny, --model random:...). The tiny model is built around retireopd.py's prompts: they come in
+as a PromptFormat (its prompt_format()), and the warm start's log-probs as a function, at the call.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import json
 import random
 import sys
+from typing import Callable, NamedTuple
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 
-import multigpu
-import retireopd as R
+from kitchen_env import KITCHEN_INGREDIENTS, KITCHEN_METHODS, KITCHEN_RECIPES, KITCHEN_SKILLS, KitchenEnv, kitchen_note
 
 
 # Architectures of the Qwen2.5-Instruct checkpoints (their config.json), for `random:` shapes.
@@ -43,6 +44,15 @@ QWEN25_SHAPES["small-vocab151k"] = dict(hidden_size=128, intermediate_size=256, 
 # ~130 tokens) was learned within the warm start by this shape, not by 4 layers of 4 heads (measured)
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=16,
                   num_key_value_heads=16, tie_word_embeddings=True)
+
+
+class PromptFormat(NamedTuple):
+    """The prompts the tiny model is built around, handed over by retireopd.py (prompt_format): its
+    tokenizer's vocabulary is trained on them, and its warm start answers them."""
+    texts: list  # the environments' intros and the format instruction
+    skills: dict  # {environment: {task type: [rules]}}, the skill notes
+    user_message: Callable  # build_user_message(env, task, steps, history, observation, admissible, skill_block)
+    encode: Callable  # encode_prompt(tokenizer, user message) -> the chat template's token ids
 
 
 CHATML_TEMPLATE = (
@@ -80,15 +90,15 @@ def balanced(choices: tuple, n: int, rng: random.Random) -> list:
     return picks
 
 
-WARM_START_RECIPES = dict(zip(WARM_START_DISHES, zip(balanced(R.KITCHEN_INGREDIENTS, len(WARM_START_DISHES), _known),
-                                                      balanced(R.KITCHEN_METHODS, len(WARM_START_DISHES), _known))))
+WARM_START_RECIPES = dict(zip(WARM_START_DISHES, zip(balanced(KITCHEN_INGREDIENTS, len(WARM_START_DISHES), _known),
+                                                      balanced(KITCHEN_METHODS, len(WARM_START_DISHES), _known))))
 
 
 WARM_START_ANSWER = "<think>the next step</think><action>{}</action>"
 
 
-def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
-    """(user message, answer) of one warm-start example.
+def warm_start_example(rng: random.Random, kind: str, user_message: Callable) -> tuple[str, str]:
+    """(user message, answer) of one warm-start example; user_message: PromptFormat.user_message.
 
     kind "short": a random note (kitchen_note: the seasoning) and the first step's admissible
     actions; "skills": the full teacher prompt with a random note, at the first step (reading). "known": a full prompt
@@ -100,46 +110,47 @@ def warm_start_example(rng: random.Random, kind: str) -> tuple[str, str]:
         dish = rng.choice(WARM_START_DISHES)
         ingredient, method = WARM_START_RECIPES[dish]
     elif kind == "unknown":  # a dish it has never heard of, the demo's among them: it guesses
-        dish = rng.choice(WARM_START_UNKNOWN + tuple(R.KITCHEN_RECIPES))
-        ingredient, method = rng.choice(R.KITCHEN_INGREDIENTS), rng.choice(R.KITCHEN_METHODS)
+        dish = rng.choice(WARM_START_UNKNOWN + tuple(KITCHEN_RECIPES))
+        ingredient, method = rng.choice(KITCHEN_INGREDIENTS), rng.choice(KITCHEN_METHODS)
     else:  # reading: a random recipe for any dish, the demo's included (it says nothing of theirs)
-        dish = rng.choice(WARM_START_DISHES + tuple(R.KITCHEN_RECIPES))
-        ingredient, method = rng.choice(R.KITCHEN_INGREDIENTS), rng.choice(R.KITCHEN_METHODS)
+        dish = rng.choice(WARM_START_DISHES + tuple(KITCHEN_RECIPES))
+        ingredient, method = rng.choice(KITCHEN_INGREDIENTS), rng.choice(KITCHEN_METHODS)
     recipes = {dish: (ingredient, method)}
-    episode = R.KitchenEnv(rng.randrange(1000), recipes)  # dish index 0: the invented dish
+    episode = KitchenEnv(rng.randrange(1000), recipes)  # dish index 0: the invented dish
     observation, info = episode.reset()
     history, right = [], f"{ingredient} the {dish}"
     if kind not in ("short", "skills") and rng.random() < 0.5:  # the second step (reading: first only)
         history = [(observation, right)]
         observation, _, _, info = episode.step(right)
         right = f"{method} the {dish}"
-    recipe = "- " + R.kitchen_note(dish, ingredient)
+    recipe = "- " + kitchen_note(dish, ingredient)
     if kind == "short":
         message = recipe + "\n\nAdmissible actions: " + ", ".join(f"'{a}'" for a in info["admissible"])
     else:
-        skills = f"Skills for this task:\n- {R.KITCHEN_SKILLS['general'][0]}\n{recipe}" if kind == "skills" else ""
-        message = R.build_user_message("kitchen", info["task"], len(history), history, observation,
-                                     info["admissible"], skills)
+        skills = f"Skills for this task:\n- {KITCHEN_SKILLS['general'][0]}\n{recipe}" if kind == "skills" else ""
+        message = user_message("kitchen", info["task"], len(history), history, observation, info["admissible"],
+                               skills)
     return message, WARM_START_ANSWER.format(right)
 
 
-def warm_start(model, tokenizer, steps: int, seed: int, batch: int = 32, lr: float = 3e-3) -> dict:
+def warm_start(model, tokenizer, steps: int, seed: int, prompts: PromptFormat, answer_logprobs: Callable,
+               batch: int = 32, lr: float = 3e-3) -> dict:
     """Behaviour cloning of `steps` AdamW steps on warm_start_example answers (token mean of
-    -log p over the answer tokens). Deterministic per seed. Returns the first and last losses."""
+    -log p over the answer tokens; answer_logprobs(model, prompt ids, answer ids): retireopd.py's
+    sequence_logprobs). Deterministic per seed. Returns the first and last losses."""
     rng = random.Random(seed)
-    cfg = R.Config(model="tiny", env="kitchen", token_budget=1 << 30)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for step in tqdm(range(steps), desc="warm start", leave=False, disable=not sys.stderr.isatty()):
-            examples = [warm_start_example(rng, rng.choice(("short", "skills", "known", "unknown")))
-                        for _ in range(batch)]
-            prompts = [R.encode_prompt(tokenizer, message) for message, _ in examples]
+            examples = [warm_start_example(rng, rng.choice(("short", "skills", "known", "unknown")),
+                                           prompts.user_message) for _ in range(batch)]
+            prompt_ids = [prompts.encode(tokenizer, message) for message, _ in examples]
             answers = [tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
                        for _, answer in examples]
-            loss = -R.sequence_logprobs(model, prompts, answers, cfg).mean()
+            loss = -answer_logprobs(model, prompt_ids, answers).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -148,37 +159,20 @@ def warm_start(model, tokenizer, steps: int, seed: int, batch: int = 32, lr: flo
     return {"steps": steps, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 
 
-def warm_started_tiny_base(run: R.Run, device: torch.device, steps: int) -> str:
-    """The offline demo's base model, RUN_DIR/tiny_base: the tiny model after `steps` warm-start
-    steps, built once per run folder (a resume, or a folder that already has it, reuses it). Seed 0
-    whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
-    folder = run.dir / "tiny_base"
-    if multigpu.main_process() and not (folder / "retireopd.json").is_file():
-        model, tok = R.load_policy("tiny", device, torch.float32, seed=0)
-        R.one_thread_if_small(model, device)
-        report = warm_start(model, tok, steps, seed=0)
-        print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
-              f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
-              f"{report['last_loss']:.3f}")
-        run.save_model(model, tok, "tiny_base", {"warm_start": report})
-    multigpu.barrier()  # the other ranks load it from there
-    return str(folder)
-
-
-def build_tiny_tokenizer(vocab_size: int = 1024):
+def build_tiny_tokenizer(prompts: PromptFormat, vocab_size: int = 1024):
     """A Qwen2 tokenizer (byte-level BPE, Qwen's pre-tokenizer, ChatML) with a vocabulary trained
     in code on our own prompt text: deterministic, no download, and it saves and reloads as the
     same Qwen2Tokenizer. Byte-level: any text round-trips, CJK included.
     """
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-    corpus = [*R.ENV_INTRO.values(), R.FORMAT_INSTRUCTION, "<think></think><action></action> search[ click[ ] [SEP]"]
-    for skills in R.SKILLS.values():
+    corpus = [*prompts.texts, "<think></think><action></action> search[ click[ ] [SEP]"]
+    for skills in prompts.skills.values():
         corpus += [rule for rules in skills.values() for rule in rules]
     rng = random.Random(0)  # kitchen prompts and answers, so that their words are single tokens
-    corpus += [text for _ in range(60) for text in warm_start_example(rng, "skills")]
-    corpus += 20 * [f"cook a {dish}" for dish in R.KITCHEN_RECIPES] + 20 * ["<|im_start|>user\n", "assistant"]
-    corpus += 20 * [": " + ", ".join(word.capitalize() for word in R.KITCHEN_INGREDIENTS + R.KITCHEN_METHODS)]
+    corpus += [text for _ in range(60) for text in warm_start_example(rng, "skills", prompts.user_message)]
+    corpus += 20 * [f"cook a {dish}" for dish in KITCHEN_RECIPES] + 20 * ["<|im_start|>user\n", "assistant"]
+    corpus += 20 * [": " + ", ".join(word.capitalize() for word in KITCHEN_INGREDIENTS + KITCHEN_METHODS)]
     corpus += ["The pot holds salt. The grue is ruined. The dorl is ready! Nothing happens."]
     corpus += ["You arrive at countertop 1. On the countertop 1, you see a apple 1, a mug 2.",
                "Nothing happens. go to take from move to open close clean heat cool use examine "
@@ -203,10 +197,9 @@ def build_tiny_tokenizer(vocab_size: int = 1024):
     return tokenizer
 
 
-def build_model(name: str, dtype: torch.dtype, seed: int):
-    """(model, tokenizer) of a model built in code: `tiny` (TINY_SHAPE) or `random:<alias>` (the alias's
-    shape, QWEN25_SHAPES), random weights from `seed`, and the tiny tokenizer (build_tiny_tokenizer)."""
-    tokenizer = build_tiny_tokenizer()
+def build_model(name: str, dtype: torch.dtype, seed: int, tokenizer):
+    """A model built in code: `tiny` (TINY_SHAPE) or `random:<alias>` (the alias's shape, QWEN25_SHAPES),
+    random weights from `seed`, for `tokenizer` (build_tiny_tokenizer's)."""
     shape = TINY_SHAPE if name == "tiny" else QWEN25_SHAPES[name.split(":", 1)[1]]
     shape = {"vocab_size": len(tokenizer), **shape}
     config = transformers.Qwen2Config(max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -214,7 +207,7 @@ def build_model(name: str, dtype: torch.dtype, seed: int):
                                       pad_token_id=tokenizer.pad_token_id, **shape)
     with torch.random.fork_rng(devices=[]):  # same seed -> same weights; the global RNG is untouched
         torch.manual_seed(seed)
-        return transformers.Qwen2ForCausalLM(config).to(dtype), tokenizer
+        return transformers.Qwen2ForCausalLM(config).to(dtype)
 
 
 # ==================================================================================================
