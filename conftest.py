@@ -77,7 +77,9 @@ TIMING_KEYS = ("t_", "tokens_per_s", "peak_mem_gb")
 
 
 def comparable(metrics):
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS) and "per_s" not in k} for m in metrics]
+    """metrics.jsonl lines without their timings and memory (what two runs of one seed share)."""
+    return [{k: v for k, v in m.items() if not k.startswith(TIMING_KEYS) and "per_s" not in k and "ms_per" not in k}
+            for m in metrics]
 
 
 class Crash(Exception):
@@ -97,10 +99,6 @@ def crash_instead_of_saving(monkeypatch, run_dir, flags, crash_at):
         patch.setattr(R.Run, "save_model", save_model)
         with pytest.raises(Crash):
             R.main(QUICK + ["--run-dir", str(run_dir), *flags])
-
-
-def folder_snapshot(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def one_line_refusal(argv, match):

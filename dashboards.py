@@ -22,7 +22,7 @@ from common import PHASES, read_jsonl
 
 def tracker_step(steps_before: dict, phase: str, iteration: int) -> int:
     """A tracker's step: the updates done so far, phase 1's then phase 2's (one axis, as the plot draws
-    them); steps_before: {phase: the iterations run before it} (retireopd.py's steps_before_phase).
+    them); steps_before: {phase: the iterations run before it} (retireopd.py's steps_before_phases).
     Iteration i ends at step i + 1, so a validation before training (iteration -1) is step 0, as in
     verl's val_before_train; trackers take no negative step (W&B drops it)."""
     return steps_before[phase] + iteration + 1
@@ -55,7 +55,8 @@ def tracker_record(steps_before: dict, name: str, record: dict) -> Optional[tupl
     else:
         return None
     keys = {"phase", "iteration", "panel", "skills", "before_training", "event", "decided_after_iteration"}
-    return tracker_step(steps_before, phase, iteration), flat_numbers({k: v for k, v in record.items() if k not in keys}, prefix)
+    values = flat_numbers({k: v for k, v in record.items() if k not in keys}, prefix)
+    return tracker_step(steps_before, phase, iteration), values
 
 
 class Tracker:

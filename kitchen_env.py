@@ -47,7 +47,8 @@ KITCHEN_PANEL = (8, 16)  # episodes per dish: validation (48), report (96); one 
 
 def kitchen_tasks(cap: Optional[int] = None) -> tuple[list, list, list]:
     """(training tasks, validation panel, report panel): 100 variants of each dish to train on, and
-    the panels' own variants, dish after dish (cut at `cap` episodes, --eval-episodes)."""
+    the panels' own variants, every dish once, then every dish again (so that a cap at `cap` episodes,
+    --eval-episodes, still covers every dish)."""
     dishes = range(len(KITCHEN_RECIPES))
     train = [d * 1000 + v for d in dishes for v in range(100)]
     validation = [d * 1000 + 500 + v for v in range(KITCHEN_PANEL[0]) for d in dishes][:cap]

@@ -48,9 +48,8 @@ def peak_memory_gb(device: torch.device) -> float:
     return process_memory_gb("VmHWM")
 
 
-
 # ==================================================================================================
-# The estimate, printed (and logged) before each phase
+# The estimate, printed before each phase (and logged by retireopd.py's Run)
 # ==================================================================================================
 
 

@@ -163,7 +163,8 @@ class Config:
     report_to: str = arg("none", "none | tensorboard (RUN_DIR/tensorboard) | wandb: a live dashboard of every metrics "
                          "line, evaluation and the retirement (docs/metrics.md); --resume may change it")
     frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
-                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; docs/choices.md: Precision)")
+                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; docs/choices.md: "
+                            "Precision)")
 
 
 # ==================================================================================================
@@ -673,7 +674,7 @@ def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = 
     prompts = [s.teacher_prompt_ids if teacher_prompt else s.prompt_ids for s in samples]
     lengths = [len(p) + len(s.response_ids) for p, s in zip(prompts, samples)]
     out: list = [None] * len(samples)
-    for batch in micro_batches(model, lengths, cfg):
+    for batch in micro_batches(model, lengths, cfg):  # (model: under torchrun, for the idle passes)
         flat = sequence_logprobs(model, [prompts[i] for i in batch], [samples[i].response_ids for i in batch], cfg)
         for i, logp in zip(batch, flat.split([len(samples[i].response_ids) for i in batch])):
             out[i] = logp.float().cpu()
@@ -692,7 +693,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
     meter = UpdateMeter()  # sums of the loss terms, tokens, gradient norms: for metrics.jsonl (plumbing)
-    batches = MiniBatches(model, samples, cfg, meter)  # the samples each mini-batch draws, in micro-batches
+    batches = MiniBatches(model, samples, cfg, meter)  # in one process: the samples' lengths, and micro-batches
+    # of a mini-batch's samples (make_micro_batches); per_token spreads a value per sample over its tokens
     with_entropy = advantages is not None and cfg.entropy_coef > 0
     model.train()
     for _epoch in range(cfg.ppo_epochs):
@@ -721,7 +723,7 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                 if finite:
                     meter.add(loss, stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # the norm before clipping
-            if not batches.all_finite(finite, grad_norm):  # a non-finite loss or gradient: no step
+            if not step_is_finite(finite, grad_norm):  # a non-finite loss or gradient: no step
                 meter.skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 continue
@@ -849,9 +851,9 @@ def train_teacher(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) 
     validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, skills_in_prompt=True, frozen=frozen,
                               resume=resume)
     teacher_success = teacher_success_rate(validations)
-    for skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo reports both ways
-        run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills_in_prompt=skills,
-                                           desc=f"teacher report ({'skills' if skills else 'no skills'})"))
+    for with_skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo reports both ways
+        run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, with_skills,
+                                           desc=f"teacher report ({'skills' if with_skills else 'no skills'})"))
     run.save_teacher(policy, tokenizer, teacher_success, validations)
 
 
@@ -1234,10 +1236,10 @@ def sampling_numerics(samples: list, old_logp: list) -> dict:
     all when none has one.
     """
     pairs = [(s.sample_logp, old) for s, old in zip(samples, old_logp) if s.sample_logp is not None]
-    gap = multigpu.cat_over_ranks([(sampled - old).abs() for sampled, old in pairs])
-    if not len(gap):
+    differences = multigpu.cat_over_ranks([(sampled - old).abs() for sampled, old in pairs])
+    if not len(differences):
         return {}
-    return {"sample_logp_gap_mean": float(gap.mean()), "sample_logp_gap_max": float(gap.max())}
+    return {"sample_logp_gap_mean": float(differences.mean()), "sample_logp_gap_max": float(differences.max())}
 
 
 def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
@@ -1310,21 +1312,21 @@ class MiniBatches:
                 for i in self.own(mini)}
 
     def micro_batches(self, mini: list):
-        """The micro-batches (lists of own sample indices) of this process's part of `mini`; their tokens
-        trained and padded are counted."""
+        """The micro-batches (lists of own sample indices) of this process's part of `mini`, each counted
+        in the meter's tokens trained and padded as it is run."""
         own = self.own(mini)
         lengths = [len(self.samples[i].prompt_ids) + len(self.samples[i].response_ids) for i in own]
-        batches = make_micro_batches(lengths, self.cfg.token_budget)
-        self.meter.count_tokens([[lengths[j] for j in batch] for batch in batches])
-        batches = [[own[j] for j in batch] for batch in batches]
-        return multigpu.in_lockstep(batches, lambda: idle_pass(self.model, self.cfg, True)) if ddp else batches
+        for batch in micro_batches(self.model, lengths, self.cfg, backward=True):
+            self.meter.count_tokens([lengths[j] for j in batch])
+            yield [own[j] for j in batch]
 
-    def all_finite(self, finite: bool, grad_norm: torch.Tensor) -> bool:
-        """A step is taken only if the mini-batch's losses and the gradient norm were finite (under
-        torchrun: every rank's, the norm over every rank's shards)."""
-        if ddp:
-            finite = multigpu.all_ranks(finite)
-        return finite and bool(torch.isfinite(multigpu.full_tensor(grad_norm)))
+
+def step_is_finite(finite: bool, grad_norm: torch.Tensor) -> bool:
+    """An optimizer step is taken only if the mini-batch's losses and the gradient norm were finite (under
+    torchrun: every rank's losses, and the norm over every rank's shards)."""
+    if ddp:
+        finite = multigpu.all_ranks(finite)
+    return finite and bool(torch.isfinite(multigpu.full_tensor(grad_norm)))
 
 
 class UpdateMeter:
@@ -1336,11 +1338,10 @@ class UpdateMeter:
         self.totals, self.grad_norms = {}, []
         self.steps = self.skipped = self.trained_tokens = self.padded_tokens = 0
 
-    def count_tokens(self, micro_batch_lengths: list) -> None:
-        """The tokens of these micro-batches (each a list of sequence lengths): real, and padded."""
-        for lengths in micro_batch_lengths:
-            self.padded_tokens += len(lengths) * max(lengths)
-            self.trained_tokens += sum(lengths)
+    def count_tokens(self, lengths: list) -> None:
+        """The tokens of one micro-batch (its sequences' lengths): real, and padded."""
+        self.padded_tokens += len(lengths) * max(lengths)
+        self.trained_tokens += sum(lengths)
 
     def add(self, loss: torch.Tensor, stats: dict) -> None:
         for key, value in {**stats, "loss": float(loss.detach())}.items():
@@ -1482,8 +1483,8 @@ class Run:
     run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
 
     What a resume reads back is below it (resumable_checkpoint, finished_phases; checks.truncate_logs drops
-    the log lines it redoes). Under torchrun, rank 0 alone writes: every rank calls the same methods (saving a sharded model
-    gathers its weights from all of them), and rank 0 writes what they gathered.
+    the log lines it redoes). Under torchrun, rank 0 alone writes: every rank calls the same methods
+    (saving a sharded model gathers its weights from all of them), and rank 0 writes what they gathered.
     """
     latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
     tracker: Any = None  # --report-to: a dashboards.Tracker; every line logged goes there too (main starts it)
@@ -1563,7 +1564,8 @@ class Run:
         a check that every rank fed the retirement rule the same numbers and took the same decision."""
         record["t_iteration"] = multigpu.max_over_ranks(time.perf_counter() - started)
         record["peak_mem_gb"] = multigpu.max_over_ranks(memory.peak_memory_gb(device))
-        rules = multigpu.gather_objects({key: record.get(key) for key in ("gap", "val_success", "teacher_active", "retired")})
+        rules = multigpu.gather_objects({key: record.get(key)
+                                         for key in ("gap", "val_success", "teacher_active", "retired")})
         if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)
             raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {rules}")
         self.log("metrics.jsonl", record)
@@ -1595,7 +1597,7 @@ class Run:
         """A resumable checkpoint every --save-every iterations, at the phase's last iteration and at
         retirement: the fp32 policy and everything a resumed run needs to go on exactly as this one."""
         last = iteration + 1 == iterations
-        stopping = not multigpu.all_ranks(not STOP_REQUESTED)  # SIGTERM / SIGHUP (on any rank): stop here, with a checkpoint
+        stopping = not multigpu.all_ranks(not STOP_REQUESTED)  # SIGTERM / SIGHUP (any rank): stop here, checkpointed
         if last or retired_now or stopping or (self.cfg.save_every and (iteration + 1) % self.cfg.save_every == 0):
             rngs = multigpu.gather_objects(rng_state(next(model.parameters()).device))  # one per rank
             self.checkpoint(model, tokenizer, {
@@ -1690,19 +1692,21 @@ EXAMPLES = """examples:
   python retireopd.py --resume RUN_DIR | --plot RUN_DIR | --compare RUN_DIR RUN_DIR"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per Config field, its help text from the field's metadata (arg), plus the actions."""
+def build_parser(actions: bool = True) -> argparse.ArgumentParser:
+    """One flag per Config field, its help text from the field's metadata (arg), plus (actions) this
+    script's own: --resume, --plot, --compare, --show-prompts (bench.py takes the fields' flags alone)."""
     parser = argparse.ArgumentParser(
         description="RetireOPD: self-retiring on-policy distillation for agentic RL (arXiv 2609.20784). Without "
         "--model, the offline demo (--model tiny); with a real model, the paper's protocol. A flag marked "
         "[default: X; tiny: Y] defaults to Y with --model tiny (tiny.TINY_PRESET), to X with any other model.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
-    parser.add_argument("--plot", metavar="RUN_DIR", help="only draw RUN_DIR/plot.png and exit")
-    parser.add_argument("--compare", metavar="RUN_DIR", nargs="+", help="only draw several runs on one figure")
-    parser.add_argument("--show-prompts", action="store_true",
-                        help="print the student's and the teacher's first-turn prompt of one task, as the model sees "
-                        "them, and exit")
+        epilog=EXAMPLES if actions else None, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if actions:
+        parser.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
+        parser.add_argument("--plot", metavar="RUN_DIR", help="only draw RUN_DIR/plot.png and exit")
+        parser.add_argument("--compare", metavar="RUN_DIR", nargs="+", help="only draw several runs on one figure")
+        parser.add_argument("--benchmark", action="store_true", help=argparse.SUPPRESS)  # (now bench.py: a pointer)
+        parser.add_argument("--show-prompts", action="store_true", help="print the student's and the teacher's "
+                            "first-turn prompt of one task, as the model sees them, and exit")
     for f in dataclasses.fields(Config):
         preset = f"; tiny: {tiny.TINY_PRESET[f.name]}" if f.name in tiny.TINY_PRESET else ""  # --model tiny's
         text = f"{f.metadata['help']} [default: {f.default}{preset}]".replace("%", "%%")
@@ -1792,7 +1796,8 @@ def show_prompts(cfg: Config) -> None:
             tokenizer = tiny.build_tiny_tokenizer(prompt_format())
         else:
             path = resolve_model_name(cfg.model)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=checks.from_the_cache_only(path))
+            cached_only = checks.from_the_cache_only(path)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
         student, teacher, _ = episode_prompts(tokenizer, episode, cfg, skill_text(cfg.env, episode.task_type))
         close_episodes([episode])
         suite.close()
@@ -1812,6 +1817,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
                              f"not a run's of this script ({type(error).__name__}: {error})") from None
         print(f"[retireopd] wrote {out}" if out else "")
         return out
+    if args.pop("benchmark"):
+        raise SystemExit("retireopd: the benchmark is a script of its own: python bench.py, with the same flags")
     prompts_only = args.pop("show_prompts")
     cfg = resume_config(resume_dir, args) if resume_dir else parse_config(args)
     if prompts_only:
@@ -1855,7 +1862,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     if cfg.report_to != "none" and multigpu.main_process():  # the live dashboard (rank 0 reports)
         steps_before = steps_before_phases(cfg)
         redone = dashboards.tracker_step(steps_before, state["phase"], state["iteration"] + 1) if state else 0
-        run.tracker = dashboards.Tracker(cfg, run.dir, run.run_id, steps_before, purge_step=redone if resume_dir else None)
+        run.tracker = dashboards.Tracker(cfg, run.dir, run.run_id, steps_before,
+                                         purge_step=redone if resume_dir else None)
     models = ModelLoader(cfg, run, device, checkpoint, state)
     del state  # ModelLoader holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
     train(cfg, suite, run, models)

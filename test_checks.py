@@ -1,6 +1,6 @@
-"""checks.py: every bad flag, model source and teacher fails in one line before anything is written
-(validate_config, model_source_problem: a missing folder, an unknown hub id, no network, the hub
-offline), in seconds."""
+"""checks.py: every bad flag and model source fails in one line before anything is written
+(validate_config, saved_settings, model_source_problem: a missing folder, an unknown hub id, no
+network, the hub offline), in seconds. (The teacher and run-folder checks are in test_run_folder.py.)"""
 
 import contextlib
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import bench
 import checks
 import retireopd as R
 from conftest import QUICK, one_line_refusal, save_teacher
@@ -182,6 +183,15 @@ def test_hf_hub_offline_is_honoured_and_a_cached_model_loads_while_the_hub_is_un
                           capture_output=True, text=True, timeout=300, env={**env, "HF_ENDPOINT": closed_port_url()})
     assert done.returncode == 0, done.stderr[-2000:]
     assert time_module.time() - start < 30 and "===== teacher" in done.stdout and not (tmp_path / "prompts").exists()
+
+
+def test_batch_tasks_must_split_into_whole_groups_under_torchrun(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit, match="--batch-tasks 6: under torchrun each of the 4 processes"):
+        R.parse_config({"model": "tiny", "batch_tasks": 6, "run_dir": str(tmp_path)})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="the benchmark runs in one process"):
+        bench.main(["--model", "tiny", "--run-dir", str(tmp_path / "b")])
 
 
 @pytest.mark.parametrize("flag", ["--lr", "--clip-eps", "--opd-coef", "--kl-coef", "--entropy-coef",

@@ -7,8 +7,9 @@ with the tests named for it (docs/tests.md: which test grades which function). A
     python -m pytest -q test_retireopd.py
 
 The sections follow the source: 2 skills, prompts and actions; 3 the math (advantages, log-probs, the
-gap, the losses, the rule, the gradients); 4 the rollout; 5 the update and the scoring forward it runs
-on; 6 one iteration and a phase, wired; 7 evaluation's success rates.
+gap, the losses, the rule, the gradients); 4 the rollout; 5 the update; 6 one iteration and a phase,
+wired. At the end, three small helpers below the banner that the method calls (evaluation's success
+rates, the micro-batches, AdamW).
 """
 
 import copy
@@ -104,6 +105,14 @@ def test_grpo_equal_scores_and_singletons_give_zero_not_nan():
     assert torch.equal(adv[:4], torch.zeros(4))
     assert not torch.isnan(adv).any()
     assert adv[4] < 0 < adv[5]
+
+
+def test_turn_scores_hand_computed():
+    # R_i = 10 for a won episode, 0 otherwise; each malformed turn loses 0.1 on its own turn only
+    assert R.turn_scores(True, [False, True, False]) == pytest.approx([10.0, 9.9, 10.0])
+    assert R.turn_scores(False, [True, False]) == pytest.approx([-0.1, 0.0])
+    assert R.turn_scores(True, [True], success_reward=1.0, penalty=0.5) == pytest.approx([0.5])
+    assert R.turn_scores(True, []) == []
 
 
 # ==================================================================================================
@@ -262,14 +271,6 @@ def test_policy_loss_masked_with_reference_kl_entropy_and_token_mean_over_miniba
     assert float(loss0) == 0.0 and "kl_ref" not in stats0 and "entropy" not in stats0
 
 
-def test_turn_scores_hand_computed():
-    # R_i = 10 for a won episode, 0 otherwise; each malformed turn loses 0.1 on its own turn only
-    assert R.turn_scores(True, [False, True, False]) == pytest.approx([10.0, 9.9, 10.0])
-    assert R.turn_scores(False, [True, False]) == pytest.approx([-0.1, 0.0])
-    assert R.turn_scores(True, [True], success_reward=1.0, penalty=0.5) == pytest.approx([0.5])
-    assert R.turn_scores(True, []) == []
-
-
 def test_combined_loss_hand_computed_value_gradient_and_terms():
     # ratio 1 (logp = old), A = [2, 0] over 2 tokens: L_PPO = mean(-A) = -1.
     # teacher = logp + [ln 2, 0]: k3 = [e^{ln 2} - 1 - ln 2, 0] = [0.306853, 0], rho = 1: L_OPD = 0.153426.
@@ -324,14 +325,14 @@ def test_loss_agg_authors_differs_from_the_token_mean_by_a_hand_computed_amount(
     assert opd_stats["opd_loss"] == pytest.approx(0.3068528 / 2, abs=1e-6)  # k3 = 0.306853 on a D = 2 token
 
 
+# ==================================================================================================
+# 3. The math: S_T and the retirement rule (the authors' state machine)
+# ==================================================================================================
+
+
 def test_teacher_success_is_the_mean_of_the_last_two_validations():
     assert R.teacher_success_rate([0.1, 0.5, 0.75]) == pytest.approx(0.625)  # (0.5 + 0.75) / 2
     assert R.teacher_success_rate([0.4]) == pytest.approx(0.4)  # one validation only: that one
-
-
-# ==================================================================================================
-# 3. The math: the retirement rule (the authors' state machine)
-# ==================================================================================================
 
 
 def test_rule_pieces_hand_computed():
@@ -508,24 +509,6 @@ def test_opd_expected_gradient_is_the_kl_gradient_and_naive_is_zero():
 
 
 # ==================================================================================================
-# 5. The update, and the scoring forward it runs on (section 8)
-# ==================================================================================================
-
-
-def test_batched_logprobs_equal_each_sequence_alone(tiny):
-    model, tok = tiny
-    prompts = [R.encode_prompt(tok, "short"), R.encode_prompt(tok, "a much longer prompt " * 5)]
-    torch.manual_seed(1)
-    responses = [ids for ids, *_ in R.generate(model, tok, prompts, 6, 1.0)]  # left-padded batch
-    cfg = small_cfg()
-    with torch.no_grad():
-        together = R.sequence_logprobs(model, prompts, responses, cfg)
-        alone = torch.cat([R.sequence_logprobs(model, [p], [r], cfg) for p, r in zip(prompts, responses)])
-    assert together.shape == (sum(map(len, responses)),)
-    assert torch.allclose(together, alone, atol=1e-5)
-
-
-# ==================================================================================================
 # 4. The rollout
 # ==================================================================================================
 
@@ -621,6 +604,89 @@ def test_a_malformed_turn_steps_the_env_with_the_projection_and_enters_the_histo
     assert "Current observation:\nobservation 2" in third_prompt
 
 
+def _scripted(tok, answers):
+    turn = [0]
+
+    def generate(model, tokenizer, prompts, n, temperature, **_):
+        text, cut = answers[min(turn[0], len(answers) - 1)]
+        turn[0] += 1
+        return [engine.Sampled(tok(text)["input_ids"], cut)] * len(prompts)
+    return generate
+
+
+def test_turn_scores_cut_answers_and_episode_reward_on_every_turn(tiny, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(R, "generate", _scripted(tok, [
+        ("<think>x</think><action>look</action>", True),          # cut at the cap: malformed (look is still sent)
+        ("garbage", False),                                        # malformed
+        ("<think>x</think><action>open box 1</action><|im_end|>", False)]))  # wins
+    samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], small_cfg(env="alfworld", max_turns=5),
+                                         group_size=2, skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
+    assert all(e.won and e.turns == 3 for e in episodes)
+    assert all([action for _, action in e.history] == ["look", "garbage", "open box 1"] for e in episodes)
+    lengths = [len(tok(text)["input_ids"]) for text in ("<think>x</think><action>look</action>", "garbage",
+                                                       "<think>x</think><action>open box 1</action><|im_end|>")]
+    assert stats["gen_steps"] == sum(lengths)  # one batched call per turn, as long as its longest answer
+    assert [s.malformed for s in samples[:6:2]] == [True, True, False]
+    assert [s.score for s in samples[:6:2]] == pytest.approx([9.9, 9.9, 10.0])
+
+
+def test_prompt_shows_only_the_last_h_pairs(tiny):
+    model, tok = tiny
+    episode = R.EpisodeState(env=None, group=0, task="t", observation="now", admissible=["look"],
+                        history=[("obsA", "a"), ("obsB", "b"), ("obsC", "c")])
+    student, _, _ = R.episode_prompts(tok, episode, small_cfg(history=2), "")
+    text = tok.decode(student)
+    assert "obsA" not in text and "obsB" in text and "obsC" in text
+
+
+def test_teacher_prompt_is_the_truncated_student_prompt_plus_skills(tiny):
+    model, tok = tiny
+    episode = R.EpisodeState(env=None, group=0, task="t", observation="long observation " * 200, admissible=["look"],
+                        history=[("old observation " * 50, "a"), ("obsB", "b")])
+    cfg = small_cfg(max_prompt_tokens=300)
+    skills = R.skill_text("alfworld", "pick_and_place_simple")
+    student, teacher, truncated = R.episode_prompts(tok, episode, cfg, skills)
+    assert truncated and len(student) <= 300
+    s_text, t_text = tok.decode(student), tok.decode(teacher)
+    intro = R.ENV_INTRO["webshop"]
+    assert t_text == s_text.replace(intro, skills + "\n\n" + intro, 1)
+
+
+# ==================================================================================================
+# 5. The update: log-probs of the sampled tokens, the combined loss in mini-batches
+# ==================================================================================================
+
+
+def test_batched_logprobs_equal_each_sequence_alone(tiny):
+    model, tok = tiny
+    prompts = [R.encode_prompt(tok, "short"), R.encode_prompt(tok, "a much longer prompt " * 5)]
+    torch.manual_seed(1)
+    responses = [ids for ids, *_ in R.generate(model, tok, prompts, 6, 1.0)]  # left-padded batch
+    cfg = small_cfg()
+    with torch.no_grad():
+        together = R.sequence_logprobs(model, prompts, responses, cfg)
+        alone = torch.cat([R.sequence_logprobs(model, [p], [r], cfg) for p, r in zip(prompts, responses)])
+    assert together.shape == (sum(map(len, responses)),)
+    assert torch.allclose(together, alone, atol=1e-5)
+
+
+def test_lm_head_sees_at_most_chunk_rows_and_only_response_positions(tiny):
+    head, rows = torch.nn.Linear(16, 1000, bias=False), []
+    head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    R.token_logprobs(torch.randn(37, 16), torch.randint(0, 1000, (37,)), head, chunk=5)
+    assert max(rows) <= 5 and sum(rows) == 37
+    model, tok = tiny
+    rows.clear()
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    try:
+        with torch.no_grad():
+            R.sequence_logprobs(model, [R.encode_prompt(tok, "hi " * 30)], [[5, 6, 7]], small_cfg(logprob_chunk=2))
+    finally:
+        hook.remove()
+    assert rows == [2, 1]
+
+
 def test_micro_batching_does_not_change_the_loss_or_gradient(tiny):
     model, tok = tiny
     cfg = small_cfg(env="alfworld")
@@ -689,31 +755,6 @@ def test_loss_agg_authors_equals_the_token_mean_for_equal_lengths_and_not_otherw
     assert float(torch.nn.functional.cosine_similarity(grad_exact, grad_authors, dim=0)) < 0.999
 
 
-def test_make_micro_batches_respects_budget_and_sorts():
-    lengths = [5, 50, 7, 48, 6, 200]
-    batches = R.make_micro_batches(lengths, token_budget=100)
-    assert sorted(i for b in batches for i in b) == list(range(6))
-    assert batches[0] == [5]  # longer than the budget: alone
-    for batch in batches:
-        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 100
-    assert batches[1] == [1, 3]  # 50 and 48 together, 5/6/7 together
-
-
-# ==================================================================================================
-# 7. Evaluation
-# ==================================================================================================
-
-
-def test_success_by_task_type():
-    records = [("pick_and_place_simple", True), ("pick_and_place_simple", False),
-               ("pick_and_place_simple", True), ("look_at_obj_in_light", False),
-               ("pick_two_obj_and_place", True)]
-    out = R.success_by_task_type(records)
-    assert out == {"pick_and_place_simple": pytest.approx(2 / 3), "look_at_obj_in_light": 0.0,
-                   "pick_two_obj_and_place": 1.0, "overall": pytest.approx(3 / 5), "n": 5}
-    assert R.success_by_task_type([]) == {"overall": 0.0, "n": 0}
-
-
 def test_non_finite_loss_skips_the_optimizer_step(tiny):
     model, tok = tiny
     cfg = small_cfg(env="alfworld", entropy_coef=0.0)  # also: a zero coefficient skips the entropy
@@ -733,14 +774,19 @@ def test_non_finite_loss_skips_the_optimizer_step(tiny):
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_adamw_is_fused_on_cuda_only(tiny):
-    model, _ = tiny
-    optimizer = R.build_adamw(model, small_cfg(lr=3e-4, weight_decay=0.5))
-    group = optimizer.param_groups[0]
-    assert (group["lr"], group["weight_decay"]) == (3e-4, 0.5) and not group["fused"]
-    if torch.cuda.is_available():
-        gpu = copy.deepcopy(model).cuda()
-        assert R.build_adamw(gpu, small_cfg()).param_groups[0]["fused"] is True
+def test_finite_loss_with_overflowing_gradient_is_skipped(tiny):
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    cfg = small_cfg(env="alfworld", entropy_coef=0.0, kl_coef=0.0)
+    torch.manual_seed(0)
+    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2, skills_in_prompt=False,
+                              with_teacher_prompts=False, temperature=1.0)
+    old = R.response_logprobs(model, samples, cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    huge = [torch.full((len(s.response_ids),), 1e30) for s in samples]
+    out = R.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), samples, old, huge, cfg, mini_batch=4)
+    assert math.isfinite(out["loss"]) and out["skipped_steps"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 # ==================================================================================================
@@ -790,42 +836,6 @@ def test_pipeline_grpo_groups_are_tasks_not_episodes(tiny, tmp_path, monkeypatch
     monkeypatch.setattr(R, "grpo_advantages", lambda s, g, *a, **k: (seen.append(g.clone()), real(s, g, *a, **k))[1])
     _student_phase(tiny, tmp_path, None, batch_tasks=2)
     assert len(set(seen[0].tolist())) == 2   # B = 2 tasks -> 2 groups of G = 2 episodes each
-
-
-def _scripted(tok, answers):
-    turn = [0]
-
-    def generate(model, tokenizer, prompts, n, temperature, **_):
-        text, cut = answers[min(turn[0], len(answers) - 1)]
-        turn[0] += 1
-        return [engine.Sampled(tok(text)["input_ids"], cut)] * len(prompts)
-    return generate
-
-
-def test_turn_scores_cut_answers_and_episode_reward_on_every_turn(tiny, monkeypatch):
-    model, tok = tiny
-    monkeypatch.setattr(R, "generate", _scripted(tok, [
-        ("<think>x</think><action>look</action>", True),          # cut at the cap: malformed (look is still sent)
-        ("garbage", False),                                        # malformed
-        ("<think>x</think><action>open box 1</action><|im_end|>", False)]))  # wins
-    samples, episodes, stats = R.rollout(model, tok, FakeSuite(), [0], small_cfg(env="alfworld", max_turns=5),
-                                         group_size=2, skills_in_prompt=False, with_teacher_prompts=False, temperature=1.0)
-    assert all(e.won and e.turns == 3 for e in episodes)
-    assert all([action for _, action in e.history] == ["look", "garbage", "open box 1"] for e in episodes)
-    lengths = [len(tok(text)["input_ids"]) for text in ("<think>x</think><action>look</action>", "garbage",
-                                                       "<think>x</think><action>open box 1</action><|im_end|>")]
-    assert stats["gen_steps"] == sum(lengths)  # one batched call per turn, as long as its longest answer
-    assert [s.malformed for s in samples[:6:2]] == [True, True, False]
-    assert [s.score for s in samples[:6:2]] == pytest.approx([9.9, 9.9, 10.0])
-
-
-def test_prompt_shows_only_the_last_h_pairs(tiny):
-    model, tok = tiny
-    episode = R.EpisodeState(env=None, group=0, task="t", observation="now", admissible=["look"],
-                        history=[("obsA", "a"), ("obsB", "b"), ("obsC", "c")])
-    student, _, _ = R.episode_prompts(tok, episode, small_cfg(history=2), "")
-    text = tok.decode(student)
-    assert "obsA" not in text and "obsB" in text and "obsC" in text
 
 
 def _one_student_update(tiny, tmp_path, monkeypatch, **phase):
@@ -879,45 +889,36 @@ def test_grpo_plus_opd_gets_the_grpo_advantage_and_the_teacher_logprobs(tiny, tm
                                            + 0.01 * record["opd_loss"], rel=1e-5, abs=1e-7)
 
 
-def test_lm_head_sees_at_most_chunk_rows_and_only_response_positions(tiny):
-    head, rows = torch.nn.Linear(16, 1000, bias=False), []
-    head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
-    R.token_logprobs(torch.randn(37, 16), torch.randint(0, 1000, (37,)), head, chunk=5)
-    assert max(rows) <= 5 and sum(rows) == 37
-    model, tok = tiny
-    rows.clear()
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
-    try:
-        with torch.no_grad():
-            R.sequence_logprobs(model, [R.encode_prompt(tok, "hi " * 30)], [[5, 6, 7]], small_cfg(logprob_chunk=2))
-    finally:
-        hook.remove()
-    assert rows == [2, 1]
+# ==================================================================================================
+# Below the banner, what the method calls: evaluation's success rates (7), micro-batches and AdamW (8)
+# ==================================================================================================
 
 
-def test_teacher_prompt_is_the_truncated_student_prompt_plus_skills(tiny):
-    model, tok = tiny
-    episode = R.EpisodeState(env=None, group=0, task="t", observation="long observation " * 200, admissible=["look"],
-                        history=[("old observation " * 50, "a"), ("obsB", "b")])
-    cfg = small_cfg(max_prompt_tokens=300)
-    skills = R.skill_text("alfworld", "pick_and_place_simple")
-    student, teacher, truncated = R.episode_prompts(tok, episode, cfg, skills)
-    assert truncated and len(student) <= 300
-    s_text, t_text = tok.decode(student), tok.decode(teacher)
-    intro = R.ENV_INTRO["webshop"]
-    assert t_text == s_text.replace(intro, skills + "\n\n" + intro, 1)
+def test_success_by_task_type():
+    records = [("pick_and_place_simple", True), ("pick_and_place_simple", False),
+               ("pick_and_place_simple", True), ("look_at_obj_in_light", False),
+               ("pick_two_obj_and_place", True)]
+    out = R.success_by_task_type(records)
+    assert out == {"pick_and_place_simple": pytest.approx(2 / 3), "look_at_obj_in_light": 0.0,
+                   "pick_two_obj_and_place": 1.0, "overall": pytest.approx(3 / 5), "n": 5}
+    assert R.success_by_task_type([]) == {"overall": 0.0, "n": 0}
 
 
-def test_finite_loss_with_overflowing_gradient_is_skipped(tiny):
-    model, tok = tiny
-    model = copy.deepcopy(model)
-    cfg = small_cfg(env="alfworld", entropy_coef=0.0, kl_coef=0.0)
-    torch.manual_seed(0)
-    samples, _, _ = R.rollout(model, tok, FakeSuite(), [0], cfg, group_size=2, skills_in_prompt=False,
-                              with_teacher_prompts=False, temperature=1.0)
-    old = R.response_logprobs(model, samples, cfg)
-    before = [p.detach().clone() for p in model.parameters()]
-    huge = [torch.full((len(s.response_ids),), 1e30) for s in samples]
-    out = R.ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), samples, old, huge, cfg, mini_batch=4)
-    assert math.isfinite(out["loss"]) and out["skipped_steps"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+def test_make_micro_batches_respects_budget_and_sorts():
+    lengths = [5, 50, 7, 48, 6, 200]
+    batches = R.make_micro_batches(lengths, token_budget=100)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert batches[0] == [5]  # longer than the budget: alone
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 100
+    assert batches[1] == [1, 3]  # 50 and 48 together, 5/6/7 together
+
+
+def test_adamw_is_fused_on_cuda_only(tiny):
+    model, _ = tiny
+    optimizer = R.build_adamw(model, small_cfg(lr=3e-4, weight_decay=0.5))
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (3e-4, 0.5) and not group["fused"]
+    if torch.cuda.is_available():
+        gpu = copy.deepcopy(model).cuda()
+        assert R.build_adamw(gpu, small_cfg()).param_groups[0]["fused"] is True

@@ -24,7 +24,10 @@ import checks
 import kitchen_env
 import retireopd as R
 import webshop_env
-from conftest import small_cfg, QUICK, run_cli, phases, comparable, crash_instead_of_saving, folder_snapshot, one_line_refusal, save_teacher
+from conftest import (
+    small_cfg, QUICK, run_cli, phases, comparable, crash_instead_of_saving, one_line_refusal,
+    save_teacher,
+)
 
 
 # --- resume after a kill, a crash, a signal ----------------------------------------------------------
@@ -80,6 +83,10 @@ def test_resume_before_the_first_checkpoint_starts_over_without_duplicates(tmp_p
 
 
 # --- what a folder holds; damaged checkpoints and logs; disks ----------------------------------------
+
+
+def folder_snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.slow

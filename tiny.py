@@ -167,8 +167,8 @@ def build_tiny_tokenizer(prompts: PromptFormat, vocab_size: int = 1024):
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     corpus = [*prompts.texts, "<think></think><action></action> search[ click[ ] [SEP]"]
-    for skills in prompts.skills.values():
-        corpus += [rule for rules in skills.values() for rule in rules]
+    for notes in prompts.skills.values():
+        corpus += [rule for rules in notes.values() for rule in rules]
     rng = random.Random(0)  # kitchen prompts and answers, so that their words are single tokens
     corpus += [text for _ in range(60) for text in warm_start_example(rng, "skills", prompts.user_message)]
     corpus += 20 * [f"cook a {dish}" for dish in KITCHEN_RECIPES] + 20 * ["<|im_start|>user\n", "assistant"]
