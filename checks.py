@@ -1,7 +1,8 @@
 """The checks that keep a run honest and its folder safe, and the repairs of a damaged run folder.
 
 Each check answers before anything is written, in one line that says what to do: bad flags
-(validate_config), a model that cannot be loaded (model_source_problem), a teacher that cannot teach
+(validate_config; a resume's, saved_settings; the data folders they name, resolve_data_folders, and
+the data itself, open_task_suite), a model that cannot be loaded (model_source_problem), a teacher that cannot teach
 this run (teacher_folder_problem, teacher_fit_problem), a run folder that another process holds or that
 holds another run (check_run_folder). The repairs keep a run resumable after a crash, a kill or a full
 disk: a cut checkpoint is set aside, a lost run.json is restored from the checkpoints, a failed write
@@ -31,9 +32,11 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+import alfworld_env
 import multigpu
 from common import (ENVS, MODEL_ALIASES, PHASES, checkpoint_folders, read_jsonl, read_trainer_state,
                     resolve_model_name, write_text_atomically)
+from environments import TaskSuite
 
 
 # ==================================================================================================
@@ -524,6 +527,36 @@ def teacher_fit_problem(teacher, teacher_dir: Path, student, tokenizer) -> Optio
 # ==================================================================================================
 # Flags: each bad one fails here in one line, before any model is loaded
 # ==================================================================================================
+
+
+def resolve_data_folders(cfg) -> None:
+    """What a run reads, as it resolves now, into cfg (so config.json records it and a resume reads the
+    same): the data folders with $ALFWORLD_DATA / $WEBSHOP_DATA applied (WebShop: "builtin" for the
+    built-in catalogue), and local --teacher / --model folders, as absolute paths."""
+    if cfg.env == "alfworld" and cfg.alfworld_data != "fixtures":
+        cfg.alfworld_data = str(alfworld_env.alfworld_data_root(cfg.alfworld_data).absolute())
+    if cfg.env == "webshop":
+        folder = cfg.webshop_data if cfg.webshop_data is not None else os.environ.get("WEBSHOP_DATA") or "builtin"
+        cfg.webshop_data = folder if folder == "builtin" else str(Path(folder).expanduser().absolute())
+    if cfg.teacher is not None:
+        cfg.teacher = str(Path(cfg.teacher).expanduser().absolute())
+    if cfg.model not in (*MODEL_ALIASES, "tiny") and ":" not in cfg.model and Path(cfg.model).expanduser().is_dir():
+        cfg.model = str(Path(cfg.model).expanduser().absolute())
+
+
+def open_task_suite(cfg, created: list = ()) -> TaskSuite:
+    """TaskSuite(cfg), its data problems said in one line; a start that fails here gives the run folder
+    back (the folders in `created`, and the lock), so nothing blocks the corrected command."""
+    try:
+        return TaskSuite(cfg)
+    except (FileNotFoundError, ValueError) as error:
+        give_back_run_folder(cfg.run_dir, list(created))
+        raise SystemExit(f"retireopd: {error}") from None
+    except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
+        give_back_run_folder(cfg.run_dir, list(created))
+        data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
+        raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
+                         "a file lacks a field or has another shape than the benchmark's") from None
 
 
 def saved_settings(run_dir: str, given: dict, known: set) -> dict:

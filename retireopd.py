@@ -54,8 +54,8 @@ import memory  # the peak-memory gauges and the memory estimate
 import multigpu  # what several processes add: the three `if ddp:` steps of the method
 import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
 import webshop_env  # WebShop in pure Python, and its skill notes
-from common import (MODEL_ALIASES, PHASES, checkpoint_folders, finite_json, read_jsonl,
-                    read_trainer_state, resolve_model_name, save_pretrained_as, write_text_atomically)
+from common import (PHASES, checkpoint_folders, finite_json, read_jsonl, read_trainer_state, resolve_model_name,
+                    save_pretrained_as, write_text_atomically)
 from engine import autocast, generate  # sampling a batch of answers from the full distribution
 from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
 
@@ -583,9 +583,15 @@ class TurnSample:
 
 
 def encode_prompt(tokenizer, user_message: str) -> list:
-    messages = [{"role": "user", "content": user_message}]  # the template adds its default system turn
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """The token ids of a lone user message in the model's chat template (which adds its default system turn)."""
+    return list(chat_token_ids(tokenizer, user_message))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same prompts come back (the kitchen's: 600 tasks, 2 steps each)
+def chat_token_ids(tokenizer, user_message: str) -> tuple:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def episode_prompts(tokenizer, episode: EpisodeState, cfg: Config, skill_block: str) -> tuple[list, list, bool]:
@@ -630,8 +636,8 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
             break
         prompts, teacher_prompts = [], []
         for episode in active:
-            student, teacher, truncated = episode_prompts(tokenizer, episode, cfg,
-                                                          skill_text(cfg.env, episode.task_type))
+            skill_block = skill_text(cfg.env, episode.task_type) if skills_in_prompt or with_teacher_prompts else ""
+            student, teacher, truncated = episode_prompts(tokenizer, episode, cfg, skill_block)
             prompts.append(teacher if skills_in_prompt else student)
             teacher_prompts.append(teacher if with_teacher_prompts else None)
             meter.prompts_truncated += truncated
@@ -1434,21 +1440,35 @@ def prompt_format() -> tiny.PromptFormat:
     return tiny.PromptFormat([*ENV_INTRO.values(), FORMAT_INSTRUCTION], SKILLS, build_user_message, encode_prompt)
 
 
-def warm_started_tiny_base(run: Run, device: torch.device, steps: int) -> str:
+SHIPPED_BASE = Path(__file__).resolve().parent / "tiny_base"  # the demo's base model, built by warm_start (tiny.py)
+
+
+def warm_started_tiny_base(run: Run, device: torch.device, steps: int,
+                           shipped: Optional[Path] = SHIPPED_BASE) -> str:
     """The offline demo's base model, RUN_DIR/tiny_base: the tiny model after `steps` warm-start steps
-    (tiny.warm_start), built once per run folder (a resume, or a folder that already has it, reuses it).
-    Seed 0 whatever --seed says: the same base for every seed, as a pretrained checkpoint would be."""
+    (tiny.warm_start), once per run folder (a resume, or a folder that already has it, reuses it). It
+    stands in for a pretrained checkpoint, so seed 0 whatever --seed says, and, as a checkpoint is
+    downloaded, the project ships it (SHIPPED_BASE, 500 steps): copied when what it was built from is
+    what this code would build it from (tiny.warm_start_key), built here otherwise (or with shipped=None)."""
     folder = run.dir / "tiny_base"
     if multigpu.main_process() and not (folder / "retireopd.json").is_file():
         model, tokenizer = load_policy("tiny", device, torch.float32, seed=0)
-        one_thread_if_small(model, device)
-        scoring = Config(model="tiny", env="kitchen", token_budget=1 << 30)  # (sequence_logprobs reads its chunk)
-        report = tiny.warm_start(model, tokenizer, steps, seed=0, prompts=prompt_format(), answer_logprobs=(
-            lambda model, prompts, answers: sequence_logprobs(model, prompts, answers, scoring)))
-        print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
-              f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
-              f"{report['last_loss']:.3f}")
-        run.save_model(model, tokenizer, "tiny_base", {"warm_start": report})
+        key = tiny.warm_start_key(steps, 0, tokenizer, prompt_format())
+        with contextlib.suppress(OSError, ValueError):
+            if shipped is not None and json.loads((shipped / "retireopd.json").read_text()).get("key") == key:
+                shutil.rmtree(run.dir / "tiny_base.tmp", ignore_errors=True)
+                shutil.copytree(shipped, run.dir / "tiny_base.tmp")
+                (run.dir / "tiny_base.tmp").rename(folder)
+                print(f"[retireopd] base model: {steps} warm-start steps, the project's tiny_base/ (built by this code)")
+        if not (folder / "retireopd.json").is_file():
+            one_thread_if_small(model, device)
+            scoring = Config(model="tiny", env="kitchen", token_budget=1 << 30)  # (sequence_logprobs reads its chunk)
+            report = tiny.warm_start(model, tokenizer, steps, seed=0, prompts=prompt_format(), answer_logprobs=(
+                lambda model, prompts, answers: sequence_logprobs(model, prompts, answers, scoring)))
+            print(f"[retireopd] warm start: {steps} behaviour-cloning steps (the answer format, reading a recipe's "
+                  f"first step, other dishes' recipes; none of the demo's), loss {report['first_loss']:.2f} -> "
+                  f"{report['last_loss']:.3f}")
+            run.save_model(model, tokenizer, "tiny_base", {"warm_start": report, "key": key})
     multigpu.barrier()  # the other ranks load it from there
     return str(folder)
 
@@ -1498,7 +1518,8 @@ class Run:
             run_id = checks.run_identity(self.dir, cfg, inputs)["run_id"]
             write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         self.run_id = multigpu.broadcast(run_id)
-        self.started = time.time()
+        self.started = self.lap_started = time.time()
+        self.laps: dict = {}  # {stage: seconds}: where this process's wall time went (the end-of-run line)
         self.skipped_streak = 0
         Run.latest = self.dir
 
@@ -1609,6 +1630,11 @@ class Run:
             raise Stopped(STOP_REQUESTED[0] if STOP_REQUESTED else signal.SIGTERM,
                           f"after {phase} iteration {iteration}, with a checkpoint")
 
+    def lap(self, stage: str) -> None:
+        """The seconds since the last lap (or the start) were spent on `stage`."""
+        self.laps[stage] = round(time.time() - self.lap_started, 1)
+        self.lap_started = time.time()
+
     def save_teacher(self, model, tokenizer, teacher_success: float, validations: list) -> None:
         # teacher_ready is logged before the save: a resume that finds teacher/ saved finds this line
         # too, one that does not drops it
@@ -1616,11 +1642,13 @@ class Run:
         self.save_model(model, tokenizer, "teacher", {"teacher_success": teacher_success, "env": self.cfg.env,
                                                       "base_model": self.cfg.model, "validations": validations[-2:]})
         multigpu.barrier()  # phase 2 reads it back on every rank
+        self.lap("phase 1")
 
     def save_student(self, model, tokenizer, teacher_success: Optional[float],
                      retirement: Optional[Retirement]) -> None:
         self.save_model(model, tokenizer, "student", {"algo": self.cfg.algo, "teacher_success": teacher_success,
                                                       "retired_at": retirement.retired_at if retirement else None})
+        self.lap("phase 2")
 
 
 def resumable_checkpoint(run: Run) -> tuple[Optional[Path], Optional[dict]]:
@@ -1735,7 +1763,7 @@ def parse_config(given: dict) -> Config:
     if "retire_at" in values and values["retire_at"] == "half":  # see TINY_PRESET_ELSEWHERE
         cfg.retire_at = max(1, cfg.iterations // 2) if cfg.algo == "retireopd" and cfg.teacher_success is None else None
     alfworld = cfg.env == "alfworld"
-    resolved_data_folders(cfg)
+    checks.resolve_data_folders(cfg)
     cfg.max_turns = cfg.max_turns or (50 if alfworld else 15)
     cfg.max_prompt_tokens = cfg.max_prompt_tokens or (2048 if alfworld else 4096)
     cfg.mini_batch = cfg.mini_batch or (256 if alfworld else 64)
@@ -1745,41 +1773,11 @@ def parse_config(given: dict) -> Config:
     return cfg
 
 
-def resolved_data_folders(cfg: Config) -> None:
-    """What a run reads, as it resolves now, into cfg (so config.json records it and a resume reads the
-    same): the data folders with $ALFWORLD_DATA / $WEBSHOP_DATA applied (WebShop: "builtin" for the
-    built-in catalogue), and local --teacher / --model folders, as absolute paths."""
-    if cfg.env == "alfworld" and cfg.alfworld_data != "fixtures":
-        cfg.alfworld_data = str(alfworld_env.alfworld_data_root(cfg.alfworld_data).absolute())
-    if cfg.env == "webshop":
-        folder = cfg.webshop_data if cfg.webshop_data is not None else os.environ.get("WEBSHOP_DATA") or "builtin"
-        cfg.webshop_data = folder if folder == "builtin" else str(Path(folder).expanduser().absolute())
-    if cfg.teacher is not None:
-        cfg.teacher = str(Path(cfg.teacher).expanduser().absolute())
-    if cfg.model not in (*MODEL_ALIASES, "tiny") and ":" not in cfg.model and Path(cfg.model).expanduser().is_dir():
-        cfg.model = str(Path(cfg.model).expanduser().absolute())
-
-
 def resume_config(run_dir: str, given: dict) -> Config:
     """The Config of the run being resumed (checks.saved_settings: flags that contradict it are an error)."""
     cfg = Config(**checks.saved_settings(run_dir, given, {f.name for f in dataclasses.fields(Config)}))
     checks.validate_config(cfg, ALGORITHMS, notes=False)
     return cfg
-
-
-def open_task_suite(cfg: Config, created: list = ()) -> TaskSuite:
-    """TaskSuite(cfg), its data problems said in one line; a start that fails here gives the run folder
-    back (the folders in `created`, and the lock), so nothing blocks the corrected command."""
-    try:
-        return TaskSuite(cfg)
-    except (FileNotFoundError, ValueError) as error:
-        checks.give_back_run_folder(cfg.run_dir, list(created))
-        raise SystemExit(f"retireopd: {error}") from None
-    except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
-        checks.give_back_run_folder(cfg.run_dir, list(created))
-        data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
-        raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
-                         "a file lacks a field or has another shape than the benchmark's") from None
 
 
 def show_prompts(cfg: Config) -> None:
@@ -1788,7 +1786,7 @@ def show_prompts(cfg: Config) -> None:
     model reads them. Nothing is written to the run folder, and no model is loaded: only the tokenizer."""
     import tempfile
     with tempfile.TemporaryDirectory() as scratch:  # (ALFWorld's fixture games are written there)
-        suite = open_task_suite(dataclasses.replace(cfg, run_dir=scratch))
+        suite = checks.open_task_suite(dataclasses.replace(cfg, run_dir=scratch))
         task = suite.validation_panel[0]
         episode = EpisodeState(suite.new_episode(task), group=0)
         start_episodes([episode])
@@ -1838,7 +1836,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = multigpu.start_processes(cfg)  # the device; under torchrun also the process group
-    suite = open_task_suite(cfg, created)  # data problems surface here, in one line, before any model is loaded
+    suite = checks.open_task_suite(cfg, created)  # data problems surface here, in one line, before any model is loaded
     run = Run(cfg, checks.run_inputs(cfg, suite))
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
     # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.
@@ -1865,10 +1863,11 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         run.tracker = dashboards.Tracker(cfg, run.dir, run.run_id, steps_before,
                                          purge_step=redone if resume_dir else None)
     models = ModelLoader(cfg, run, device, checkpoint, state)
+    run.lap("start and base model")
     del state  # ModelLoader holds the checkpoint's trainer state (AdamW's moments) alone, and hands it over once
     train(cfg, suite, run, models)
     suite.close()  # worker processes, if any (they are daemons: a crash takes them down too)
-    run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1)})
+    run.log("events.jsonl", {"event": "done", "wall_s": round(time.time() - run.started, 1), "stages_s": run.laps})
     if run.tracker is not None:
         run.tracker.close()
     multigpu.stop_processes()
@@ -1877,7 +1876,8 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     checks.release_run_folders()
     plot = dashboards.plot_runs([run.dir])
     print(f"[retireopd] summary: {dashboards.run_summary(run.dir)}")
-    print(f"[retireopd] done in {time.time() - run.started:.0f}s; outputs in {run.dir}"
+    split = ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in run.laps.items())
+    print(f"[retireopd] done in {time.time() - run.started:.0f}s ({split}); outputs in {run.dir}"
           + (f"; plot {plot}" if plot else ""))
     return run.dir
 

@@ -10,7 +10,7 @@ import retireopd as R
 
 def test_the_bare_command_is_the_offline_demo_and_a_real_model_gets_the_papers_protocol(tmp_path):
     demo = R.parse_config({"run_dir": str(tmp_path / "demo")})
-    assert (demo.model, demo.env, demo.warm_start, demo.opd_coef) == ("tiny", "kitchen", 500, 10.0)
+    assert (demo.model, demo.env, demo.warm_start, demo.opd_coef) == ("tiny", "kitchen", 500, 3.0)
     paper = R.parse_config({"model": "Qwen2.5-1.5B", "run_dir": str(tmp_path / "paper")})
     assert (paper.env, paper.iterations, paper.lr, paper.opd_coef, paper.warm_start) == ("alfworld", 150, 1e-6, 0.01, 0)
     assert (paper.mini_batch, paper.opd_mini_batch, paper.window, paper.rho) == (256, 128, 5, 0.9)

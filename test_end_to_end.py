@@ -60,6 +60,11 @@ def test_every_algo_runs_to_completion(tmp_path, algo, env):
     if algo == "grpo":
         assert all(not m["teacher_active"] and "gap" not in m and m["opd_coef"] == 0.0 for m in students)
     assert events[-1]["event"] == "done"
+    # the end-of-run split of the wall time: where this process's seconds went, stage by stage
+    stages = {"grpo": ["start and base model", "phase 2"], "skill-grpo": ["start and base model", "phase 1"]}.get(
+        algo, ["start and base model", "phase 1", "phase 2"])
+    assert list(events[-1]["stages_s"]) == stages
+    assert sum(events[-1]["stages_s"].values()) == pytest.approx(events[-1]["wall_s"], abs=0.5)
 
 
 def test_retireopd_retires_by_the_rule_then_trains_with_grpo_alone(tmp_path, monkeypatch):

@@ -65,6 +65,10 @@ def test_claims_count_seeds_and_average_margins(tmp_path):
     table = study.format_table(rows)
     assert "| 1 | 0.25 | 0.06 | 0.75 | 0.70 | - | 0.70 | 0.60 | 0.75 | 0.40 | 0.70 | 0.60 |" in table
     assert "| 1 of 2 | +0.11 |" in table
+    # "at" its teacher: within one validation episode (1/48) below counts, two do not
+    for opd, holds in ((0.625 + 0.02, 1), (0.625 + 0.042, 0)):
+        rows[0]["opd"] = opd
+        assert [h for name, h, _, _ in study.claims({0: rows[0]}) if name.startswith("pure distillation")] == [holds]
 
 
 def test_finished_runs_are_reused_and_other_settings_refused(tmp_path, monkeypatch):

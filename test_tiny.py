@@ -1,11 +1,22 @@
 """tiny.py: the models built in code. The tiny tokenizer (Qwen2's format, trained on our prompts, saved
 and reloaded unchanged), the warm start's examples (reading a note, other dishes' recipes, never the
-demo's), and the tiny preset that --help shows."""
+demo's), the shipped base model (current with the code, and what the code builds: slow), and the tiny
+preset that --help shows.
 
+    RETIREOPD_WRITE_BASE=1 python -m pytest -q test_tiny.py -k shipped_base_is_what   # refresh tiny_base/
+"""
+
+import json
+import os
 import random
 import re
+import shutil
 from collections import Counter
+from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import load_file
 
 import kitchen_env
 import retireopd as R
@@ -63,3 +74,36 @@ def test_warm_start_teaches_reading_and_other_dishes_never_the_demo_recipes():
     known = list(built_in_models.WARM_START_RECIPES.values())  # the known dishes favour no seasoning and no way to cook
     assert Counter(i for i, _ in known) == Counter({i: 2 for i in kitchen_env.KITCHEN_INGREDIENTS})
     assert Counter(m for _, m in known) == Counter({m: 2 for m in kitchen_env.KITCHEN_METHODS})
+
+
+def test_the_shipped_base_is_current_with_the_code():
+    # the demo starts from the project's tiny_base/ only while its key (what it was built from) is what
+    # this code would build it from; else every demo rebuilds it (about a minute): refresh it (the
+    # command in this file's docstring) whenever the shape, the warm start or the prompts change
+    _, tok = R.load_policy("tiny", torch.device("cpu"), torch.float32)
+    steps = built_in_models.TINY_PRESET["warm_start"]
+    key = built_in_models.warm_start_key(steps, 0, tok, R.prompt_format())
+    shipped = json.loads((R.SHIPPED_BASE / "retireopd.json").read_text())
+    assert shipped["key"] == key, "tiny_base/ is stale: refresh it (test_tiny.py's docstring says how)"
+    assert {p.name for p in R.SHIPPED_BASE.iterdir()} >= {"model.safetensors", "config.json", "tokenizer.json"}
+    changed = built_in_models.warm_start_key(steps + 1, 0, tok, R.prompt_format())
+    assert changed != key  # (another number of steps is another base: built in code)
+
+
+@pytest.mark.slow
+def test_the_shipped_base_is_what_the_code_builds(tmp_path):
+    # the warm start in code, 500 steps from seed 0, against the shipped weights (bf16 on disk; on
+    # another CPU the sums may round otherwise, so a tolerance of a few bf16 steps)
+    run = R.Run(R.parse_config({"run_dir": str(tmp_path / "run")}))
+    built = Path(R.warm_started_tiny_base(run, torch.device("cpu"), 500, shipped=None))
+    if os.environ.get("RETIREOPD_WRITE_BASE"):
+        shutil.rmtree(R.SHIPPED_BASE, ignore_errors=True)
+        shutil.copytree(built, R.SHIPPED_BASE)
+    ours, shipped = load_file(built / "model.safetensors"), load_file(R.SHIPPED_BASE / "model.safetensors")
+    assert ours.keys() == shipped.keys()
+    for name in ours:
+        assert torch.allclose(ours[name].float(), shipped[name].float(), atol=2e-2, rtol=2e-2), name
+    same = sum(torch.equal(ours[name], shipped[name]) for name in ours)
+    print(f"{same} of {len(ours)} tensors bit-identical to the shipped base")
+    assert json.loads((built / "retireopd.json").read_text())["key"] == \
+        json.loads((R.SHIPPED_BASE / "retireopd.json").read_text())["key"]

@@ -8,6 +8,7 @@ as a PromptFormat (its prompt_format()), and the warm start's log-probs as a fun
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
@@ -40,10 +41,12 @@ QWEN25_SHAPES["small-vocab151k"] = dict(hidden_size=128, intermediate_size=256, 
                                          vocab_size=151936, tie_word_embeddings=True)
 
 
-# two layers of 16 small heads: reading a skill block (finding the one capitalised ingredient among
-# ~130 tokens) was learned within the warm start by this shape, not by 4 layers of 4 heads (measured)
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=16,
-                  num_key_value_heads=16, tie_word_embeddings=True)
+# two layers of four heads of 16: reading a skill block (finding the one capitalised ingredient among ~130
+# tokens) is learned within the warm start by this shape (and by 16 heads of 4, not by 4 layers of 4 heads
+# of 16); a forward and backward of 32 prompts of 175 tokens takes 79 ms on one CPU thread, against 152 ms
+# with 16 heads of 4 (measured; docs/cost.md)
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, tie_word_embeddings=True)
 
 
 class PromptFormat(NamedTuple):
@@ -133,8 +136,12 @@ def warm_start_example(rng: random.Random, kind: str, user_message: Callable) ->
     return message, WARM_START_ANSWER.format(right)
 
 
+WARM_START_KINDS = ("short", "skills", "known", "unknown")
+WARM_START_BATCH, WARM_START_LR = 32, 3e-3  # examples per AdamW step, its learning rate
+
+
 def warm_start(model, tokenizer, steps: int, seed: int, prompts: PromptFormat, answer_logprobs: Callable,
-               batch: int = 32, lr: float = 3e-3) -> dict:
+               batch: int = WARM_START_BATCH, lr: float = WARM_START_LR) -> dict:
     """Behaviour cloning of `steps` AdamW steps on warm_start_example answers (token mean of
     -log p over the answer tokens; answer_logprobs(model, prompt ids, answer ids): retireopd.py's
     sequence_logprobs). Deterministic per seed. Returns the first and last losses."""
@@ -145,8 +152,8 @@ def warm_start(model, tokenizer, steps: int, seed: int, prompts: PromptFormat, a
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for step in tqdm(range(steps), desc="warm start", leave=False, disable=not sys.stderr.isatty()):
-            examples = [warm_start_example(rng, rng.choice(("short", "skills", "known", "unknown")),
-                                           prompts.user_message) for _ in range(batch)]
+            examples = [warm_start_example(rng, rng.choice(WARM_START_KINDS), prompts.user_message)
+                        for _ in range(batch)]
             prompt_ids = [prompts.encode(tokenizer, message) for message, _ in examples]
             answers = [tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
                        for _, answer in examples]
@@ -157,6 +164,21 @@ def warm_start(model, tokenizer, steps: int, seed: int, prompts: PromptFormat, a
             optimizer.step()
             losses.append(float(loss.detach()))
     return {"steps": steps, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+
+
+def warm_start_key(steps: int, seed: int, tokenizer, prompts: PromptFormat) -> dict:
+    """What a warm-started base model depends on, to tell whether a saved one (the shipped tiny_base/)
+    is what warm_start would build here: its steps and seed, the shape, AdamW's batch and learning
+    rate, the tokenizer, the examples of its first two steps (their token ids: the warm start's code
+    and the prompt format), and the releases of torch and transformers."""
+    rng, ids = random.Random(seed), []
+    for _ in range(2 * WARM_START_BATCH):
+        message, answer = warm_start_example(rng, rng.choice(WARM_START_KINDS), prompts.user_message)
+        ids.append([prompts.encode(tokenizer, message), tokenizer(answer, add_special_tokens=False)["input_ids"]])
+    fingerprint = lambda text: hashlib.sha256(text.encode()).hexdigest()[:16]  # noqa: E731
+    return {"steps": steps, "seed": seed, "shape": TINY_SHAPE, "batch": WARM_START_BATCH, "lr": WARM_START_LR,
+            "tokenizer": fingerprint(tokenizer.backend_tokenizer.to_str()), "examples": fingerprint(json.dumps(ids)),
+            "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}
 
 
 def build_tiny_tokenizer(prompts: PromptFormat, vocab_size: int = 1024):
@@ -227,5 +249,5 @@ TINY_PRESET_ELSEWHERE = dict(warm_start=0, teacher_iterations=None, iterations=1
 TINY_PRESET = dict(
     env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
     group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=32, opd_mini_batch=32,
-    window=2, eval_every=2, lr=5e-4, lr_warmup_steps=10, entropy_coef=0.0, kl_coef=0.3, opd_coef=10.0,
+    window=2, eval_every=2, lr=5e-4, lr_warmup_steps=10, entropy_coef=0.01, kl_coef=0.3, opd_coef=3.0,
 )
