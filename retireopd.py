@@ -583,15 +583,9 @@ class TurnSample:
 
 
 def encode_prompt(tokenizer, user_message: str) -> list:
-    """The token ids of a lone user message in the model's chat template (which adds its default system turn)."""
-    return list(chat_token_ids(tokenizer, user_message))
-
-
-@functools.lru_cache(maxsize=1 << 16)  # the same prompts come back (the kitchen's: 600 tasks, 2 steps each)
-def chat_token_ids(tokenizer, user_message: str) -> tuple:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    messages = [{"role": "user", "content": user_message}]  # the template adds its default system turn
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def episode_prompts(tokenizer, episode: EpisodeState, cfg: Config, skill_block: str) -> tuple[list, list, bool]:
@@ -1708,7 +1702,7 @@ def retirement_message(iteration: int, retirement: Retirement, record: dict) -> 
 
 
 EXAMPLES = """examples:
-  python retireopd.py                                     # the offline CPU demo (--model tiny, the kitchen), ~10 min
+  python retireopd.py                                     # the offline CPU demo (--model tiny, the kitchen), ~2 min
   python retireopd.py --algo grpo                         # the demo's GRPO baseline, to --compare
   python retireopd.py --env alfworld                      # the code paths on fixture ALFWorld games we write
   python retireopd.py --show-prompts --env webshop        # a student's and a teacher's first prompt, then exit
