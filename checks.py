@@ -3,10 +3,12 @@
 Each check answers before anything is written, in one line that says what to do: bad flags
 (validate_config; a resume's, saved_settings; the data folders they name, resolve_data_folders, and
 the data itself, open_task_suite), a model that cannot be loaded (model_source_problem), a teacher that cannot teach
-this run (teacher_folder_problem, teacher_fit_problem), a run folder that another process holds or that
-holds another run (check_run_folder). The repairs keep a run resumable after a crash, a kill or a full
-disk: a cut checkpoint is set aside, a lost run.json is restored from the checkpoints, a failed write
-says what is kept and what to do. retireopd.py calls these at its edges; the method never does.
+this run (teacher_folder_problem, teacher_fit_problem), a run folder that another process holds, that
+holds another run, or whose own entries are links or FIFOs (check_run_folder, run_folder_problem). The
+repairs keep a run resumable after a crash, a kill or a full disk: a checkpoint that is cut, not whole
+(no tokenizer, no chat template) or names custom code is set aside, a lost run.json or config.json is
+restored from the checkpoints, a lost log line is reported, a failed write says what is kept and what
+to do. retireopd.py calls these at its edges; the method never does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pickle
 import re
 import shlex
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -34,8 +37,8 @@ from tqdm.auto import tqdm
 
 import alfworld_env
 import multigpu
-from common import (ENVS, MODEL_ALIASES, PHASES, checkpoint_folders, read_jsonl, read_trainer_state,
-                    resolve_model_name, write_text_atomically)
+from common import (ENVS, MODEL_ALIASES, PHASES, checkpoint_folders, create_file, read_jsonl, read_owned_text,
+                    read_trainer_state, remove_entry, resolve_model_name, write_text_atomically)
 from environments import TaskSuite
 
 
@@ -52,7 +55,37 @@ RUN_ENTRIES = (RUN_IDENTITY, "config.json", "metrics.jsonl", "events.jsonl", "ev
 
 
 def holds_a_run(folder: Path) -> bool:
-    return any((Path(folder) / name).exists() for name in RUN_ENTRIES)
+    return any(os.path.lexists(Path(folder) / name) for name in RUN_ENTRIES)  # (a dangling link counts)
+
+
+WRITE_TEST = ".retireopd-write-test"
+OWN_FOLDERS = ("checkpoints", "teacher", "student", "tiny_base", "alfworld_fixtures")  # written by this script
+
+
+def run_folder_problem(folder: Path) -> Optional[str]:
+    """Why the run folder cannot be used safely, or None: an entry that the program owns (the logs, the
+    configs, the lock, the write test, the temp and set-aside names, the plots, and everything inside
+    OWN_FOLDERS) is a link, a FIFO, a socket or a device. A link could make the run read, write, rename or
+    delete outside its folder; a FIFO would block it. The folder itself may be reached through a link."""
+    folder = Path(folder)
+    if not os.path.isdir(folder):  # (False for a name too long too: the write test says why)
+        return None
+    owned = {*RUN_ENTRIES, *RUN_ARTEFACTS, LOCK_FILE, WRITE_TEST, "compare.png"}
+    entries = [folder / name for name in sorted(os.listdir(folder))
+               if name in owned or name.endswith((".tmp", ".corrupt"))]
+    for path in list(entries):
+        if path.name in OWN_FOLDERS and stat.S_ISDIR(os.lstat(path).st_mode):
+            for root, folders, files in os.walk(path):  # (os.walk follows no link)
+                entries += [Path(root) / name for name in sorted(folders + files)]
+    for path in entries:
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = f"a link to {os.readlink(path)}" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+                else "not a regular file (a socket or a device)"
+            return (f"{path} is {kind}: a run folder's own entries must be plain files and folders (a link could "
+                    "make the run write, rename or delete outside it, a FIFO would block it); remove it, then try "
+                    "again")
+    return None
 
 
 def check_run_folder(run_dir: str, resuming: bool) -> list:
@@ -62,14 +95,16 @@ def check_run_folder(run_dir: str, resuming: bool) -> list:
     written (a read-only or full disk, a name too long). The write test leaves no trace."""
     folder = Path(run_dir)
     missing = []
+    if problem := run_folder_problem(folder):  # before anything is opened there
+        raise SystemExit(f"retireopd: {problem}")
     try:
         blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
         if blocking is not None:
             raise SystemExit(f"retireopd: --run-dir {run_dir}: {blocking} is a file, not a folder")
         missing = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".retireopd-write-test"
-        probe.write_text("ok")
+        probe = folder / WRITE_TEST
+        os.close(create_file(probe))
         probe.unlink()
     except OSError as error:
         for created in missing:
@@ -92,8 +127,7 @@ def check_run_folder(run_dir: str, resuming: bool) -> list:
             raise SystemExit(f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose "
                              "another `--run-dir`")
         for name in (*RUN_ENTRIES, *RUN_ARTEFACTS):
-            path = folder / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            remove_entry(folder / name)
         print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained "
               "or saved): cleared, and this run starts there")
     name_the_holder(folder)
@@ -128,7 +162,8 @@ def lock_run_folder(folder: Path) -> None:
     path = folder / LOCK_FILE
     if str(path.resolve()) in HELD_LOCKS:  # this process holds it already (main called again, as tests do)
         return
-    handle = open(path, "a+")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # never through a link
+    handle = os.fdopen(fd, "r+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -165,7 +200,7 @@ def stopped_before_its_first_iteration(folder: Path) -> bool:
     """A run folder whose start failed after run.json was written (a teacher that does not fit, a
     model that does not load): our run.json, and no iteration, evaluation, checkpoint or saved model."""
     try:
-        if "run_id" not in json.loads((folder / RUN_IDENTITY).read_text()):
+        if "run_id" not in json.loads(read_owned_text(folder / RUN_IDENTITY)):
             return False
     except (OSError, ValueError, TypeError):
         return False
@@ -186,10 +221,10 @@ def run_identity(folder: Path, cfg, inputs: Optional[dict]) -> dict:
     resume whose inputs differ from the run's is refused (same_inputs)."""
     path = folder / RUN_IDENTITY
     with contextlib.suppress(OSError, ValueError):
-        identity = json.loads(path.read_text())
+        identity = json.loads(read_owned_text(path))
         if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
             return same_inputs(identity, inputs, folder)
-    damaged = path.exists()
+    damaged = os.path.lexists(path)
     if damaged:
         os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
@@ -243,17 +278,33 @@ def run_inputs(cfg, suite) -> dict:
 
 
 def saved_model_problem(folder: Path) -> Optional[str]:
-    """Why a saved model folder is not whole, or None. Every .json file must parse and every
-    .safetensors file must be as long as its header says: a file cut short by a crash or a full
-    disk fails one of them. Cheap: the weights themselves are not read."""
+    """Why a model folder (a checkpoint, a teacher, --model) is not whole, or None. Whole: weights, a
+    config, a tokenizer (tokenizer.json, or vocab.json + merges.txt) and a chat template; every .json
+    file parses and every .safetensors file is as long as its header says (a file cut short by a crash
+    or a full disk fails one of them); and no file names custom code (auto_map): this script never runs
+    code from a model folder. Cheap: the weights themselves are not read."""
     weights = sorted(folder.glob("*.safetensors"))
     if not (folder / "config.json").is_file() or not weights:
         return "no config.json" if weights else "no .safetensors weights"
+    configs = {}
     for path in sorted(folder.glob("*.json")):
         try:
-            json.loads(path.read_text())
+            configs[path.name] = json.loads(path.read_text())  # (a --model folder's files may be links: the hub cache)
         except (ValueError, UnicodeDecodeError):
             return f"{path.name} is cut short or damaged"
+    custom = [name for name in ("config.json", "tokenizer_config.json")
+              if isinstance(configs.get(name), dict) and configs[name].get("auto_map")]
+    if custom:
+        return (f"its {custom[0]} names custom code (auto_map): this script runs no code from a model folder "
+                "(trust_remote_code=False)")
+    if not (folder / "tokenizer.json").is_file() and not all((folder / n).is_file() for n in ("vocab.json",
+                                                                                              "merges.txt")):
+        return "no tokenizer (tokenizer.json, or vocab.json and merges.txt)"
+    template = folder / "chat_template.jinja"
+    in_config = (configs.get("tokenizer_config.json") or {}).get("chat_template") \
+        if isinstance(configs.get("tokenizer_config.json"), dict) else None
+    if not in_config and not (template.is_file() and template.read_text().strip()):
+        return "no chat template (chat_template.jinja is missing or empty): the prompts are built with it"
     for path in weights:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -289,6 +340,62 @@ def trainer_state_problem(state) -> Optional[str]:
     return None
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What makes two tokenizers the same for a run: the token -> id map and the special tokens (hashed)."""
+    key = json.dumps([sorted(tokenizer.get_vocab().items()), sorted(map(str, tokenizer.all_special_tokens))])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def tokenizer_problem(folder: Path, fingerprint: Optional[str]) -> Optional[str]:
+    """Why a checkpoint's tokenizer cannot go on with the run, or None: it must load (no remote code), have
+    a chat template, and be the tokenizer the run trained with (its fingerprint, saved in trainer.pt)."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as error:  # a missing, cut or foreign file
+        return "its tokenizer does not load: " + (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    if not tokenizer.chat_template:
+        return "its tokenizer has no chat template"
+    if fingerprint is not None and tokenizer_fingerprint(tokenizer) != fingerprint:
+        return "its tokenizer is not the one the run trained with (another vocabulary or other special tokens)"
+    return None
+
+
+def fsync_logs(run_dir: Path) -> None:
+    """fsync the jsonl logs: what a checkpoint about to be written covers is on the disk first."""
+    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl"):
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(Path(run_dir) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def log_holes(run_dir: Path, trained: tuple, phase: str, iteration: int, last_iterations: dict) -> Optional[str]:
+    """The iterations that the checkpoint (phase, iteration) covers and metrics.jsonl has no line for (a
+    line lost or cut before the checkpoint: not redone, since the checkpoint is past it), as one note;
+    or None. trained: the phases this run trains; last_iterations: {phase: its last iteration}."""
+    logged = {(m.get("phase"), m.get("iteration")) for m in read_jsonl(Path(run_dir) / "metrics.jsonl")}
+    covered = [(p, k) for p in trained if PHASES.index(p) <= PHASES.index(phase)
+               for k in range((iteration if p == phase else last_iterations[p]) + 1)]
+    holes = [f"{p} {k}" for p, k in covered if (p, k) not in logged]
+    if not holes:
+        return None
+    return (f"[retireopd] note: metrics.jsonl has no line for {len(holes)} iteration(s) that the checkpoint covers "
+            f"({', '.join(holes[:6])}{', ...' if len(holes) > 6 else ''}): lost or cut before it was written, they "
+            "are not redone and stay a hole in the log; the run goes on from the checkpoint")
+
+
+def lost_teacher_problem(run_dir: Path, checkpoint: Path, state: dict, teacher_dir: Path) -> Optional[str]:
+    """Why a resume cannot continue phase 2, or None: its checkpoint is of phase 2 and the teacher it
+    distils from (phase 1's, RUN_DIR/teacher, or --teacher) is gone. Never redo phase 1 in its place:
+    its lines are in the logs, and the student's checkpoint was trained against that teacher."""
+    if state["phase"] != "student" or (teacher_dir / "retireopd.json").is_file():
+        return None
+    return (f"--resume {run_dir}: checkpoint {checkpoint.name} continues phase 2, but its teacher {teacher_dir} is "
+            "gone: put that folder back (from a copy), or start a new run; the run folder is left as it is")
+
+
 def format_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -310,9 +417,11 @@ def first_resumable_checkpoint(run_dir: Path, run_id: str) -> tuple[Optional[Pat
         if problem is None and state.get("run_id", run_id) != run_id:
             problem = f"it belongs to run {state['run_id']}, this folder holds run {run_id}"
         if problem is None:
+            problem = tokenizer_problem(folder, state.get("tokenizer"))
+        if problem is None:
             return folder, state
         aside = folder.with_name(folder.name + ".corrupt")
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_entry(aside)
         folder.rename(aside)
         print(f"[retireopd] note: checkpoint {folder.name} is not usable ({problem}): set aside as "
               f"{aside.name}; trying the one before it")
@@ -459,7 +568,8 @@ def model_source_problem(name: str) -> Optional[str]:
         if not any(folder.glob("*.safetensors")):
             return (f"--model {name}: {folder} has no .safetensors weights (we load no pickled .bin weights: a "
                     "pickle can run code); convert them, or pass another folder")
-        return None if (problem := saved_model_problem(folder)) is None else f"--model {name}: {folder}: {problem}"
+        where = "" if str(folder) == name else f"{folder}: "
+        return None if (problem := saved_model_problem(folder)) is None else f"--model {name}: {where}{problem}"
     if folder.exists():
         return f"--model {name}: {folder} is a file; pass the folder that holds the model and its config.json"
     if source.startswith((".", "/", "~")) or source.count("/") > 1:  # written as a path, not as org/name
@@ -517,7 +627,7 @@ def teacher_fit_problem(teacher, teacher_dir: Path, student, tokenizer) -> Optio
     sizes = (teacher.get_output_embeddings().weight.shape[0], student.get_output_embeddings().weight.shape[0])
     if sizes[0] != sizes[1]:
         return f"the teacher in {teacher_dir} has a vocabulary of {sizes[0]} tokens, the student {sizes[1]}"
-    teacher_tokenizer = transformers.AutoTokenizer.from_pretrained(str(teacher_dir))
+    teacher_tokenizer = transformers.AutoTokenizer.from_pretrained(str(teacher_dir), trust_remote_code=False)
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         return f"the teacher in {teacher_dir} has another tokenizer than the student (the same token ids mean " \
                "other text)"
@@ -546,30 +656,42 @@ def resolve_data_folders(cfg) -> None:
 
 def open_task_suite(cfg, created: list = ()) -> TaskSuite:
     """TaskSuite(cfg), its data problems said in one line; a start that fails here gives the run folder
-    back (the folders in `created`, and the lock), so nothing blocks the corrected command."""
+    back (the folders in `created`, and the lock), so nothing blocks the corrected command. A data folder
+    that yields no task for training or for a panel is refused here too."""
+    data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
     try:
-        return TaskSuite(cfg)
+        suite = TaskSuite(cfg)
+    except PermissionError as error:
+        give_back_run_folder(cfg.run_dir, list(created))
+        raise SystemExit(f"retireopd: cannot read {error.filename or data}: permission denied") from None
     except (FileNotFoundError, ValueError) as error:
         give_back_run_folder(cfg.run_dir, list(created))
         raise SystemExit(f"retireopd: {error}") from None
     except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
         give_back_run_folder(cfg.run_dir, list(created))
-        data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
         raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
                          "a file lacks a field or has another shape than the benchmark's") from None
+    empty = [name for name, pool in (("training", suite.train), ("validation", suite.validation_panel),
+                                     ("report", suite.report_panel)) if not pool]
+    if empty:
+        suite.close()
+        give_back_run_folder(cfg.run_dir, list(created))
+        raise SystemExit(f"retireopd: the {cfg.env} data in {data} yields no {' and no '.join(empty)} task: a "
+                         "catalogue or split without tasks (check the data folder)")
+    return suite
 
 
 def saved_settings(run_dir: str, given: dict, known: set) -> dict:
     """The settings of the run being resumed, from RUN_DIR/config.json (`known`: the Config's fields), with
     the flags given on the command line that only change how it runs; a flag that contradicts the run,
     and a config.json that is missing, damaged or another version's, are one-line errors."""
+    if problem := run_folder_problem(Path(run_dir)):  # before anything of it is read
+        raise SystemExit(f"retireopd: {problem}")
     saved_file = Path(run_dir) / "config.json"
-    if not saved_file.is_file():
-        raise SystemExit(f"retireopd: --resume {run_dir}: no config.json there (not a run folder)")
     try:
-        saved = json.loads(saved_file.read_text())
-    except ValueError:
-        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json is damaged (not JSON)") from None
+        saved = json.loads(read_owned_text(saved_file))
+    except (FileNotFoundError, ValueError) as error:
+        saved = restored_config(Path(run_dir), "missing" if isinstance(error, FileNotFoundError) else "damaged")
     if not isinstance(saved, dict) or set(saved) - known:
         unknown = sorted(set(saved) - known) if isinstance(saved, dict) else []
         raise SystemExit(f"retireopd: --resume {run_dir}: its config.json " + (
@@ -586,6 +708,23 @@ def saved_settings(run_dir: str, given: dict, known: set) -> dict:
         raise SystemExit("retireopd: --resume continues a run with its own config; drop "
                          + ", ".join(clashes) + " or start a new run")
     return {**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir}
+
+
+def restored_config(run_dir: Path, how: str) -> dict:
+    """A run folder's settings when its config.json is missing or damaged: from the newest checkpoint that
+    holds a copy (Run.checkpoint writes one; the run writes config.json again when it starts); without
+    one, a one-line refusal."""
+    for checkpoint in reversed(checkpoint_folders(run_dir)):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            saved = json.loads(read_owned_text(checkpoint / "retireopd.json"))["config"]
+            print(f"[retireopd] note: {run_dir / 'config.json'} is {how}: the run's settings are restored from "
+                  f"checkpoint {checkpoint.name}")
+            return saved
+    raise SystemExit(f"retireopd: --resume {run_dir}: " + ("no config.json there (not a run folder)" if how == "missing"
+                     else "its config.json is damaged (not JSON), and no checkpoint holds a copy"))
+
+
+MIN_PROMPT_TOKENS = 128  # the shortest first prompt, the kitchen's with the tiny tokenizer, has 103 tokens
 
 
 def validate_config(cfg, algorithms: dict, notes: bool = True) -> None:
@@ -614,6 +753,12 @@ def validate_config(cfg, algorithms: dict, notes: bool = True) -> None:
                  "token_budget", "ppo_epochs", "logprob_chunk"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.max_prompt_tokens < MIN_PROMPT_TOKENS:
+        problems.append(f"--max-prompt-tokens must be >= {MIN_PROMPT_TOKENS}: a first prompt (instructions, task, "
+                        "actions) is longer, so a smaller budget would cut every prompt")
+    if isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
+        problems.append("--seed must be in [0, 2**32): the phases derive torch seeds from it, within what torch "
+                        "accepts")
     if cfg.eval_episodes is not None and cfg.eval_episodes < 1:
         problems.append("--eval-episodes must be >= 1 (leave it out for the whole panel)")
     if cfg.history < 0:

@@ -1,13 +1,16 @@
 """What several modules share: the tables every part names, the device pick, and the run folder's
-file helpers (its jsonl logs, atomic writes, its checkpoints, a model saved in bf16). A leaf: it
-imports no module of ours.
+file helpers (its jsonl logs, durable atomic writes that follow no link, its checkpoints, a model saved
+in bf16). A leaf: it imports no module of ours.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -39,12 +42,28 @@ def pick_device(name: str) -> torch.device:
 # ==================================================================================================
 
 
+# A run folder may sit on a shared disk where others can write: what the run reads, writes, renames or
+# deletes there is never followed through a link, never a FIFO or a device, and every write that replaces
+# a file is durable (fsync) before it is in place. checks.run_folder_problem refuses a folder whose own
+# entries are links or special files at the start; these helpers hold the line while the run goes on.
+
+
+def read_owned_text(path: Path) -> str:
+    """The text of a run folder's file, opened without following a link (O_NOFOLLOW) and without waiting on
+    a FIFO (O_NONBLOCK); an entry that is not a regular file raises OSError (ELOOP, or EINVAL)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read().decode(errors="replace")
+
+
 def read_jsonl(path: Path, note: bool = False) -> list:
     """The records of a jsonl log ([] without the file). A last line cut short (a crash or a full
     disk while it was written) is dropped, with a note when `note`; a damaged line before the
     last is an error."""
     path = Path(path)
-    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    lines = read_owned_text(path).splitlines() if os.path.lexists(path) else []
     records = []
     for number, line in enumerate(lines, 1):
         try:
@@ -59,6 +78,75 @@ def read_jsonl(path: Path, note: bool = False) -> list:
     return records
 
 
+def append_line(path: Path, line: str) -> None:
+    """line + newline at the end of a jsonl log, never through a link or into a FIFO."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    with os.fdopen(fd, "a") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        f.write(line + "\n")
+
+
+def remove_entry(path: Path) -> None:
+    """Delete a run folder's entry: a link or a file is unlinked (a link's target is never touched), a
+    real folder removed with its contents (shutil.rmtree unlinks the links inside, never follows them)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def create_file(path: Path) -> int:
+    """A new, empty file at path for writing (its descriptor): whatever was there is removed first, and the
+    file is created with O_EXCL | O_NOFOLLOW, so a link planted there meanwhile fails instead of being
+    followed."""
+    remove_entry(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+
+def fsync_folder(folder: Path) -> None:
+    """fsync a folder: the names renamed into it or deleted from it survive a power loss."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file of a folder (a model just written), then the folder itself."""
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_folder(folder)
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
+    """Replace path with data so that neither a crash nor a power loss leaves it half-written: a new temp
+    file (create_file: never through a link), fsync'ed, renamed over path (a link at path is replaced,
+    not followed), then the folder fsync'ed."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with os.fdopen(create_file(tmp), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_folder(path.parent)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """path.write_text(text) that a crash cannot leave half-written (write_bytes_atomically)."""
+    write_bytes_atomically(path, text.encode())
+
+
 def finite_json(value):
     """value with every float NaN or infinity replaced by None (JSON null), through dicts and lists."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -68,18 +156,11 @@ def finite_json(value):
     return [finite_json(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """path.write_text(text) that a crash cannot leave half-written: a temp file, then a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def checkpoint_folders(run_dir: Path) -> list:
     """The resumable checkpoints of a run folder, oldest first (not one being written, nor one set aside)."""
-    folder = Path(run_dir) / "checkpoints"
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith((".tmp", ".corrupt"))) \
-        if folder.is_dir() else []
+    folder = Path(run_dir) / "checkpoints"  # (a link is never one: run_folder_problem refuses it)
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()
+                  and not p.name.endswith((".tmp", ".corrupt"))) if folder.is_dir() and not folder.is_symlink() else []
 
 
 def read_trainer_state(folder: Path) -> dict:

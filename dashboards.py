@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
 from pathlib import Path
 from typing import Optional
 
-from common import PHASES, read_jsonl
+from common import PHASES, read_jsonl, read_owned_text, write_bytes_atomically
 
 # ==================================================================================================
 # The live dashboard (--report-to tensorboard | wandb)
@@ -86,9 +87,15 @@ class Tracker:
             self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
         else:
             import wandb
-            self.writer = wandb.init(project=os.environ.get("WANDB_PROJECT") or "retireopd", name=run_dir.name,
-                                     id=run_id, resume="allow", config=dataclasses.asdict(cfg),
-                                     dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+            settings = dict(project=os.environ.get("WANDB_PROJECT") or "retireopd", name=run_dir.name, id=run_id,
+                            resume="allow", config=dataclasses.asdict(cfg),
+                            dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+            try:
+                self.writer = wandb.init(**settings)
+            except wandb.errors.UsageError as error:  # no login here (no API key): log offline, sync later
+                print(f"[retireopd] note: W&B cannot log online ({str(error).strip().splitlines()[0]}): logging "
+                      "offline instead; `wandb sync` uploads the run later, from its wandb/ folder")
+                self.writer = wandb.init(**settings, mode="offline")
 
     def log(self, name: str, record: dict) -> None:
         found = tracker_record(self.steps_before, name, record)
@@ -151,7 +158,7 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
     missing = [str(d) for d in run_dirs if not (Path(d) / "metrics.jsonl").is_file()]
     if missing:
         raise SystemExit(f"retireopd: no metrics.jsonl in {', '.join(missing)}: not a run folder")
-    configs = [json.loads((Path(d) / "config.json").read_text()) for d in run_dirs]
+    configs = [json.loads(read_owned_text(Path(d) / "config.json")) for d in run_dirs]
     envs = sorted({c["env"] for c in configs})
     title = (f"{configs[0]['algo']} on {configs[0]['env']} with {configs[0]['model']}" if len(run_dirs) == 1
              else f"{len(run_dirs)} runs on {' and '.join(envs)}")
@@ -221,6 +228,8 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
     ax_gap.legend(fontsize=8)
     fig.tight_layout()
     out = Path(out or Path(run_dirs[0]) / ("compare.png" if len(run_dirs) > 1 else "plot.png"))
-    fig.savefig(out, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format="png")
     plt.close(fig)
+    write_bytes_atomically(out, image.getvalue())  # (never through a link planted at out)
     return out

@@ -54,8 +54,8 @@ import memory  # the peak-memory gauges and the memory estimate
 import multigpu  # what several processes add: the three `if ddp:` steps of the method
 import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
 import webshop_env  # WebShop in pure Python, and its skill notes
-from common import (PHASES, checkpoint_folders, finite_json, read_jsonl, read_trainer_state, resolve_model_name,
-                    save_pretrained_as, write_text_atomically)
+from common import (PHASES, append_line, checkpoint_folders, finite_json, fsync_folder, fsync_tree, read_jsonl,
+                    read_trainer_state, remove_entry, resolve_model_name, save_pretrained_as, write_text_atomically)
 from engine import autocast, generate  # sampling a batch of answers from the full distribution
 from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
 
@@ -1109,7 +1109,8 @@ class ModelLoader:
             self.base = warm_started_tiny_base(run, device, cfg.warm_start)
         self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
         if self.teacher_dir.is_dir() and (problem := checks.teacher_folder_problem(self.teacher_dir, cfg.env)):
-            raise SystemExit(f"retireopd: {problem}")  # a resume's own teacher/, from another environment
+            raise SystemExit(f"retireopd: {problem}: restore that folder from a copy, or start a new run (a resume "
+                             "never redoes phase 1 behind a student's checkpoints)")
 
     def teacher_saved(self) -> bool:
         return (self.teacher_dir / "retireopd.json").is_file()
@@ -1408,10 +1409,11 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
     else:
         path = resolve_model_name(name)
         cached_only = checks.from_the_cache_only(path)
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
+        try:  # never a pickle, never code from the model's folder (checks.saved_model_problem refuses auto_map)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only,
+                                                                   trust_remote_code=False)
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
-                                                                      use_safetensors=True)  # never a pickle
+                                                                      use_safetensors=True, trust_remote_code=False)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as error:
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
             raise SystemExit(f"retireopd: {name} does not load as a model and tokenizer ({type(error).__name__}: "
@@ -1419,6 +1421,8 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
     if bad := non_finite_tensors(model.parameters()):
         raise SystemExit(f"retireopd: {name}: {bad} of the model's weight tensors hold NaN or infinite values: "
                          "not a usable model")
+    if not tokenizer.chat_template:  # (an instruct model's: the prompts are built with it)
+        raise SystemExit(f"retireopd: {name}: its tokenizer has no chat template: pass an instruct model's folder")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation continues at the right edge of every prompt
@@ -1450,8 +1454,9 @@ def warm_started_tiny_base(run: Run, device: torch.device, steps: int,
         key = tiny.warm_start_key(steps, 0, tokenizer, prompt_format())
         with contextlib.suppress(OSError, ValueError):
             if shipped is not None and json.loads((shipped / "retireopd.json").read_text()).get("key") == key:
-                shutil.rmtree(run.dir / "tiny_base.tmp", ignore_errors=True)
+                remove_entry(run.dir / "tiny_base.tmp")
                 shutil.copytree(shipped, run.dir / "tiny_base.tmp")
+                fsync_tree(run.dir / "tiny_base.tmp")
                 (run.dir / "tiny_base.tmp").rename(folder)
                 print(f"[retireopd] base model: {steps} warm-start steps, the project's tiny_base/ (built by this code)")
         if not (folder / "retireopd.json").is_file():
@@ -1522,8 +1527,7 @@ class Run:
             return
         record = finite_json(record)  # NaN and infinities are not JSON: they are written as null
         try:
-            with open(self.dir / name, "a") as f:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
+            append_line(self.dir / name, json.dumps(record, allow_nan=False))
         except OSError as error:
             raise SystemExit(checks.write_failure(self.dir, name, error)) from None
         if self.tracker is not None:
@@ -1531,8 +1535,8 @@ class Run:
 
     def save_model(self, model, tokenizer, name: str, extra: Optional[dict] = None,
                    trainer_state: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16) -> Path:
-        """Hugging Face format (from_pretrained / vLLM), written to a temp folder then renamed,
-        so a crash mid-write never leaves a half checkpoint under the final name.
+        """Hugging Face format (from_pretrained / vLLM), written to a new temp folder, fsync'ed, then
+        renamed: neither a crash nor a power loss leaves a half model under the final name.
 
         dtype: the weights' dtype on disk, bf16 by default (final models: half the size, and
         servable: vLLM's dtype=auto serves a float32 checkpoint in fp16, where Qwen2.5 breaks
@@ -1547,8 +1551,9 @@ class Run:
         if bad := non_finite_tensors(tensors):  # weights, AdamW's moments
             raise SystemExit(f"retireopd: not saving {final}: {bad} of its tensors hold NaN or infinite values "
                              "(what was saved before is kept)")
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
+            remove_entry(tmp)
+            tmp.mkdir()  # (fails on a link planted meanwhile: mkdir follows none)
             if dtype is None:
                 model.save_pretrained(tmp, state_dict=weights)
             else:
@@ -1558,21 +1563,27 @@ class Run:
                 (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
             if trainer_state is not None:
                 torch.save(trainer_state, tmp / "trainer.pt")
+            fsync_tree(tmp)
         except (OSError, RuntimeError, SafetensorError) as error:  # torch says "unexpected pos" on a full disk
             shutil.rmtree(tmp, ignore_errors=True)  # what was saved before stays as it was
             raise SystemExit(checks.write_failure(self.dir, name, error)) from None
-        shutil.rmtree(final, ignore_errors=True)
+        remove_entry(final)
         tmp.rename(final)
+        fsync_folder(final.parent)  # the new name is durable before anything older is deleted
         return final
 
     def checkpoint(self, model, tokenizer, state: dict) -> None:
-        """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints."""
+        """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints. The logs
+        are fsync'ed first (a checkpoint never covers a log line a power loss could take), and the run's
+        settings go with it (retireopd.json: a lost config.json is restored from there)."""
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
         if multigpu.main_process():
             (self.dir / "checkpoints").mkdir(exist_ok=True)
-        self.save_model(model, tokenizer, name, trainer_state={**state, "run_id": self.run_id}, dtype=None)
+            checks.fsync_logs(self.dir)
+        self.save_model(model, tokenizer, name, {"config": dataclasses.asdict(self.cfg)},
+                        {**state, "run_id": self.run_id, "tokenizer": checks.tokenizer_fingerprint(tokenizer)}, None)
         for old in checkpoint_folders(self.dir)[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
-            shutil.rmtree(old, ignore_errors=True)
+            remove_entry(old)
 
     def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
         """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after
@@ -1758,9 +1769,9 @@ def parse_config(given: dict) -> Config:
         cfg.retire_at = max(1, cfg.iterations // 2) if cfg.algo == "retireopd" and cfg.teacher_success is None else None
     alfworld = cfg.env == "alfworld"
     checks.resolve_data_folders(cfg)
-    cfg.max_turns = cfg.max_turns or (50 if alfworld else 15)
-    cfg.max_prompt_tokens = cfg.max_prompt_tokens or (2048 if alfworld else 4096)
-    cfg.mini_batch = cfg.mini_batch or (256 if alfworld else 64)
+    cfg.max_turns = (50 if alfworld else 15) if cfg.max_turns is None else cfg.max_turns  # (0 is refused below)
+    cfg.max_prompt_tokens = (2048 if alfworld else 4096) if cfg.max_prompt_tokens is None else cfg.max_prompt_tokens
+    cfg.mini_batch = (256 if alfworld else 64) if cfg.mini_batch is None else cfg.mini_batch
     if cfg.run_dir is None:
         cfg.run_dir = str(Path("runs") / f"{cfg.env}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     checks.validate_config(cfg, ALGORITHMS)
@@ -1789,7 +1800,8 @@ def show_prompts(cfg: Config) -> None:
         else:
             path = resolve_model_name(cfg.model)
             cached_only = checks.from_the_cache_only(path)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only,
+                                                                   trust_remote_code=False)
         student, teacher, _ = episode_prompts(tokenizer, episode, cfg, skill_text(cfg.env, episode.task_type))
         close_episodes([episode])
         suite.close()
@@ -1838,10 +1850,19 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     if state is not None and state.get("world_size", 1) != multigpu.world_size():
         raise SystemExit(f"retireopd: {checkpoint} was written by {state.get('world_size', 1)} process(es): resume "
                          f"it with as many (torchrun --nproc_per_node {state.get('world_size', 1)}, or python for 1)")
+    algorithm, last_iterations = ALGORITHMS[cfg.algo], {p: phase_iterations(cfg, p) - 1 for p in PHASES}
+    if state and algorithm.student_opd and (problem := checks.lost_teacher_problem(
+            run.dir, checkpoint, state, Path(cfg.teacher) if cfg.teacher else run.dir / "teacher")):
+        raise SystemExit(f"retireopd: {problem}")
     if resume_dir:
         if multigpu.main_process():  # (-2: nothing done; -1 is the validation before training)
             checks.truncate_logs(run.dir, state["phase"] if state else PHASES[0], state["iteration"] if state else -2,
-                                 finished_phases(run.dir), {p: phase_iterations(cfg, p) - 1 for p in PHASES})
+                                 finished_phases(run.dir), last_iterations)
+            trained = tuple(p for p, runs in zip(PHASES, (algorithm.teacher_phase and not cfg.teacher,
+                                                          algorithm.student_phase)) if runs)
+            if state and (hole := checks.log_holes(run.dir, trained, state["phase"], state["iteration"],
+                                                   last_iterations)):
+                print(hole)
         run.log("events.jsonl", {"event": "resume", "checkpoint": checkpoint.name if checkpoint else None})
         print(f"[retireopd] resuming {run.dir} from checkpoint {checkpoint.name}" if checkpoint else
               f"[retireopd] {run.dir} has no checkpoint yet (the first is written after "
@@ -1889,3 +1910,6 @@ if __name__ == "__main__":
         print(f"\n[retireopd] {how}: continue with `{resume}` (from the last checkpoint)" if Run.latest
               else f"\n[retireopd] {how} before the run folder was written: nothing to resume", file=sys.stderr)
         sys.exit(128 + interrupt.signum if isinstance(interrupt, Stopped) else 1)
+    except PermissionError as error:  # a file or folder of a shared disk that this user may not read or write
+        sys.exit(f"retireopd: permission denied: {error.filename or error} (this user may not read or write it: "
+                 "ask its owner, or choose another --run-dir / data folder)")

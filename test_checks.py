@@ -218,3 +218,16 @@ def test_contradictory_flags_are_refused_and_unused_ones_noted(tmp_path, capsys)
                     "run_dir": str(tmp_path / "y")})
     assert "note: --teacher-success only decides the adaptive retirement: --algo grpo does not use it" in \
         capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-turns", "0"], "--max-turns must be >= 1"),  # before: 0 became 15 in silence
+    (["--max-prompt-tokens", "-5"], "--max-prompt-tokens must be >= 128"),
+    (["--max-prompt-tokens", "1"], "--max-prompt-tokens must be >= 128"),
+    (["--mini-batch", "0"], "--mini-batch must be >= 1"),
+    (["--seed", str(2**70)], "--seed must be in \\[0, 2\\*\\*32\\)"),  # before: torch's ValueError, a traceback
+    (["--seed", "-1"], "--seed must be in")])
+def test_budgets_and_the_seed_are_checked_in_one_line(tmp_path, flags, message):
+    one_line_refusal(["--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags], message)
+    assert not (tmp_path / "x").exists()
+    assert R.parse_config({"model": "tiny", "max_prompt_tokens": 128, "seed": 2**32 - 1}).seed == 2**32 - 1

@@ -4,8 +4,10 @@ summary line."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -189,3 +191,33 @@ def test_run_summary_reads_S_T_the_retirement_and_the_report_panel(tmp_path):
                                        "report panel: teacher with skills 0.62, student 0.75")
     write("events.jsonl", [{"event": "teacher_ready", "teacher_success": 0.5}])
     assert "teacher never retired" in dashboards.run_summary(tmp_path)
+
+
+@pytest.mark.slow
+def test_wandb_without_a_login_logs_offline_with_a_note(tmp_path):
+    pytest.importorskip("wandb", reason="wandb is in requirements.txt; without it this test cannot run")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"), WANDB_SILENT="true", WANDB_CONSOLE="off",
+               OMP_NUM_THREADS="1")  # no API key anywhere (a fresh process: wandb keeps its settings per process)
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "retireopd.py", *QUICK, "--env", "webshop", "--algo", "grpo",
+                           "--report-to", "wandb", "--run-dir", str(run_dir), "--iterations", "1"],
+                          cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]  # before: a UsageError traceback, after the folder was written
+    assert "W&B cannot log online (No API key configured" in done.stdout and "`wandb sync` uploads" in done.stdout
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_a_plot_over_a_link_writes_inside_the_run_folder(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot is optional: without matplotlib there is nothing to write")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"env": "kitchen", "algo": "grpo", "model": "tiny", "rho": 0.8,
+                                                     "window": 2}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"phase": "student", "iteration": 0, "success": 0.5}) + "\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("another user's file\n")
+    (run_dir / "plot.png").symlink_to(victim)  # planted after the run's start: before, overwritten with a PNG
+    assert dashboards.plot_runs([run_dir]) == run_dir / "plot.png"
+    assert victim.read_text() == "another user's file\n"
+    assert not (run_dir / "plot.png").is_symlink() and (run_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"

@@ -702,3 +702,269 @@ def test_advice_fits_the_failure(tmp_path):
     assert "ulimit -f" in too_big and "free some space" not in too_big
     full = checks.write_failure(run.dir, "metrics.jsonl", OSError(errno.ENOSPC, "No space left on device"))
     assert "free some space" in full
+
+
+# --- a hostile colleague on a shared disk: nothing outside the run folder is read, written, renamed or
+# deleted through a link, no FIFO blocks, no code runs, no half model is trained on -------------------
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """Two run folders stopped where the student's final model would be saved (their checkpoints stay):
+    'grpo' (one phase) and 'retireopd' (a teacher/ and phase-2 checkpoints). Each test copies one."""
+    root = tmp_path_factory.mktemp("stopped")
+    with pytest.MonkeyPatch.context() as patch:
+        for algo in ("grpo", "retireopd"):
+            crash_instead_of_saving(patch, root / algo, ["--env", "webshop", "--algo", algo],
+                                    lambda saved: saved == "student")
+    return root
+
+
+def stopped_copy(stopped_runs, tmp_path, algo="grpo"):
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_runs / algo, run_dir, symlinks=True)
+    return run_dir
+
+
+def victim_of(tmp_path):
+    """Another user's folder beside the run folder, and a fingerprint of everything in it."""
+    victim = tmp_path / "victim"
+    (victim / "0-student-00000").mkdir(parents=True)
+    (victim / "0-student-00000" / "data.txt").write_text("another user's work\n")
+    (victim / "notes.txt").write_text("another user's notes\n")
+    return victim, lambda: sorted((str(p.relative_to(victim)), p.read_bytes() if p.is_file() else None)
+                                  for p in victim.rglob("*"))
+
+
+PLANTED = [  # (the entry, a link to the victim's file / folder or a FIFO, resumed or a new run)
+    ("checkpoints", "folder", "resume"),  # before: rotation deleted the victim's 0-student-00000
+    ("config.json.tmp", "file", "new"), ("eval.jsonl.tmp", "file", "resume"), ("events.jsonl.tmp", "file", "resume"),
+    ("checkpoints/1-student-00003.tmp", "folder", "resume"), ("student.tmp", "folder", "resume"),
+    (".retireopd.lock", "file", "new"), (".retireopd-write-test", "file", "new"), ("plot.png", "file", "resume"),
+    ("metrics.jsonl", "dangling", "new"), ("tensorboard", "folder", "new"), ("tiny_base", "folder", "resume"),
+    ("run.json", "fifo", "resume"), ("checkpoints/1-student-00002/trainer.pt", "fifo", "resume"),
+    ("metrics.jsonl", "fifo", "new"), ("config.json", "fifo", "resume"), ("events.jsonl", "file", "resume"),
+]
+
+
+@pytest.mark.parametrize("entry,kind,start", PLANTED, ids=[f"{e}-{k}-{s}" for e, k, s in PLANTED])
+def test_a_link_or_fifo_among_a_run_folders_entries_is_refused_and_nothing_outside_changes(
+        stopped_runs, tmp_path, entry, kind, start):
+    victim, contents = victim_of(tmp_path)
+    if start == "resume":
+        run_dir = stopped_copy(stopped_runs, tmp_path)
+    else:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+    path = run_dir / entry
+    if path.is_dir():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to({"file": victim / "notes.txt", "folder": victim, "dangling": victim / "new.jsonl"}[kind])
+    before = contents()
+    argv = ["--resume", str(run_dir)] if start == "resume" else QUICK + [*GRPO, "--run-dir", str(run_dir)]
+    one_line_refusal(argv, f"{path} is {'a FIFO' if kind == 'fifo' else 'a link to'}.*remove it")
+    assert contents() == before  # before: overwritten, truncated, deleted or created there; a FIFO blocked
+    assert os.path.lexists(path)  # and the entry is left for its owner to look at
+
+
+def test_a_run_folder_reached_through_a_link_works_as_before(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    run_dir, metrics, _ = run_cli(tmp_path, "via/run", *GRPO, "--iterations", "1")
+    assert len(metrics) == 1 and (tmp_path / "real" / "run" / "student" / "model.safetensors").is_file()
+
+
+def test_the_file_helpers_follow_no_link_and_wait_on_no_fifo(tmp_path):
+    from common import append_line, read_owned_text, remove_entry, write_text_atomically
+    victim, contents = victim_of(tmp_path)
+    before = contents()
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.json.tmp").symlink_to(victim / "notes.txt")  # planted while the run goes on
+    write_text_atomically(folder / "config.json", "{}")
+    assert (folder / "config.json").read_text() == "{}" and not os.path.lexists(folder / "config.json.tmp")
+    (folder / "metrics.jsonl").symlink_to(victim / "notes.txt")
+    with pytest.raises(OSError):
+        append_line(folder / "metrics.jsonl", "{}")
+    (folder / "checkpoints").symlink_to(victim)
+    remove_entry(folder / "checkpoints")  # the link goes, never what it points to
+    assert not os.path.lexists(folder / "checkpoints")
+    assert R.checkpoint_folders(folder) == []
+    os.mkfifo(folder / "run.json")
+    with pytest.raises(OSError):  # at once: O_NONBLOCK, and not a regular file
+        read_owned_text(folder / "run.json")
+    assert contents() == before
+
+
+def test_a_model_saved_over_a_planted_link_writes_inside_the_folder(tmp_path, tiny):
+    victim, contents = victim_of(tmp_path)
+    before = contents()
+    run = R.Run(small_cfg(run_dir=str(tmp_path / "run")))
+    (run.dir / "student.tmp").symlink_to(victim)  # before: the model was written into the victim's folder
+    (run.dir / "student").symlink_to(victim)  # and then renamed over it
+    run.save_model(*tiny, "student", {"algo": "grpo"})
+    assert (run.dir / "student").is_dir() and not (run.dir / "student").is_symlink()
+    assert (run.dir / "student" / "model.safetensors").is_file() and contents() == before
+
+
+def test_every_write_is_fsynced_before_its_rename_and_a_checkpoint_before_older_ones_go(tmp_path, tiny,
+                                                                                         monkeypatch):
+    import common
+    story = []
+    real_fsync, real_rename, real_rmtree = os.fsync, Path.rename, shutil.rmtree
+    monkeypatch.setattr(common.os, "fsync", lambda fd: (story.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                        real_fsync(fd))[1])
+    monkeypatch.setattr(Path, "rename", lambda self, to: (story.append(("rename", str(self))),
+                                                          real_rename(self, to))[1])
+    monkeypatch.setattr(common.shutil, "rmtree", lambda path, *a, **k: (story.append(("delete", str(path))),
+                                                                        real_rmtree(path, *a, **k))[1])
+    run = R.Run(small_cfg(run_dir=str(tmp_path / "run"), keep_checkpoints=1))
+    run.log("metrics.jsonl", {"phase": "student", "iteration": 0})
+    story.clear()
+    for iteration in range(2):
+        run.checkpoint(*tiny, {"phase": "student", "iteration": iteration})
+    checkpoints = str(run.dir / "checkpoints")
+    first, second = (f"{checkpoints}/1-student-0000{k}" for k in range(2))
+    assert story[0] == ("fsync", str(run.dir / "metrics.jsonl"))  # the logs a checkpoint covers: first
+    renamed = story.index(("rename", second + ".tmp"))
+    written = {p for what, p in story[:renamed] if what == "fsync" and p.startswith(second + ".tmp/")}
+    assert written == {str(p).replace(second, second + ".tmp") for p in Path(second).iterdir()}  # every file
+    assert story.index(("fsync", checkpoints)) < story.index(("delete", first))  # its name durable, then rotation
+    assert story.index(("delete", first)) > renamed and not Path(first).exists()
+    story.clear()
+    common.write_text_atomically(run.dir / "config.json", "{}")
+    assert story == [("fsync", str(run.dir / "config.json.tmp")), ("fsync", str(run.dir))]
+
+
+def with_auto_map(folder, marker):
+    """A model folder whose config names custom code that would leave `marker` when it runs."""
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                    "from transformers import Qwen2Config as EvilConfig\n")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+
+
+def test_a_model_that_names_custom_code_is_refused_and_none_of_it_runs(stopped_runs, tmp_path, monkeypatch,
+                                                                       capsys):
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked on stdin whether to run a folder's code"))
+    marker = tmp_path / "the-code-ran"
+    run_dir = stopped_copy(stopped_runs, tmp_path)
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    with_auto_map(newest, marker)  # before: "run the custom code? [y/N]"; y ran evil.py
+    R.main(["--resume", str(run_dir)])
+    assert "names custom code (auto_map)" in capsys.readouterr().out and (run_dir / "student").is_dir()
+    assert not marker.exists() and newest.with_name(newest.name + ".corrupt").is_dir()
+    model = tmp_path / "model"
+    shutil.copytree(run_dir / "student", model)
+    with_auto_map(model, marker)
+    one_line_refusal(QUICK + [*GRPO, "--model", str(model), "--run-dir", str(tmp_path / "m")],
+                     "config.json names custom code \\(auto_map\\)")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage,problem", [
+    ("tokenizer.json", "no tokenizer"), ("chat_template.jinja", "no chat template"),
+    ("empty chat_template.jinja", "no chat template"), ("other tokenizer", "not the one the run trained with")])
+def test_a_checkpoint_without_its_tokenizer_or_chat_template_is_set_aside(stopped_runs, tmp_path, capsys, damage,
+                                                                          problem):
+    run_dir = stopped_copy(stopped_runs, tmp_path)
+    older, newest = sorted((run_dir / "checkpoints").iterdir())
+    if damage == "other tokenizer":  # loads, but other ids: trainer.pt remembers the run's
+        vocab = json.loads((newest / "tokenizer.json").read_text())
+        first, second = list(vocab["model"]["vocab"])[5:7]
+        vocab["model"]["vocab"][first], vocab["model"]["vocab"][second] = (vocab["model"]["vocab"][second],
+                                                                           vocab["model"]["vocab"][first])
+        (newest / "tokenizer.json").write_text(json.dumps(vocab))
+    elif damage.startswith("empty"):
+        (newest / "chat_template.jinja").write_text("")
+    else:
+        (newest / damage).unlink()  # before: a 3-token tokenizer trained on in silence, or a traceback
+    capsys.readouterr()
+    R.main(["--resume", str(run_dir)])
+    said = capsys.readouterr().out
+    assert f"checkpoint {newest.name} is not usable" in said and problem in said
+    resumed = [e for e in R.read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
+    assert resumed[-1]["checkpoint"] == older.name
+    assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
+
+
+@pytest.mark.parametrize("lost,problem", [("tokenizer.json", "no tokenizer"),
+                                          ("chat_template.jinja", "no chat template")])
+def test_a_model_folder_without_a_tokenizer_or_chat_template_is_refused_in_one_line(stopped_runs, tmp_path, lost,
+                                                                                    problem):
+    model = tmp_path / "model"
+    shutil.copytree(sorted((stopped_runs / "grpo" / "checkpoints").iterdir())[-1], model)
+    (model / lost).unlink()  # before: trained on a 3-token tokenizer in silence, or a traceback in the rollout
+    one_line_refusal(QUICK + [*GRPO, "--model", str(model), "--run-dir", str(tmp_path / "m")], problem)
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_model_folder_of_links_loads_as_the_hub_cache_lays_it_out(stopped_runs, tmp_path):
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    shutil.copytree(sorted((stopped_runs / "grpo" / "checkpoints").iterdir())[-1], blobs)
+    snapshot.mkdir(parents=True)
+    for blob in blobs.iterdir():  # a source is only read: its links are the cache's own layout, not an attack
+        (snapshot / blob.name).symlink_to(blob)
+    _, metrics, _ = run_cli(tmp_path, "run", *GRPO, "--model", str(snapshot), "--iterations", "1")
+    assert len(metrics) == 1
+
+
+def test_a_phase_two_checkpoint_without_its_teacher_is_refused_and_no_phase_is_redone(stopped_runs, tmp_path):
+    run_dir = stopped_copy(stopped_runs, tmp_path, "retireopd")
+    shutil.rmtree(run_dir / "teacher")
+    logs = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "eval.jsonl")}
+    one_line_refusal(["--resume", str(run_dir)], "continues phase 2, but its teacher .* is gone: put that folder back")
+    assert logs == {name: (run_dir / name).read_text() for name in logs}  # before: both phases redone, twice logged
+
+
+@pytest.mark.parametrize("damage", ["emptied", "removed"])
+def test_a_lost_config_json_is_restored_from_the_newest_checkpoint(stopped_runs, tmp_path, capsys, damage):
+    run_dir = stopped_copy(stopped_runs, tmp_path)
+    saved = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text("") if damage == "emptied" else (run_dir / "config.json").unlink()
+    R.main(["--resume", str(run_dir)])  # before: no resume possible, although both checkpoints are whole
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    assert f"config.json is {'damaged' if damage == 'emptied' else 'missing'}: the run's settings are restored " \
+           f"from checkpoint {newest.name}" in capsys.readouterr().out
+    assert json.loads((run_dir / "config.json").read_text()) == {**saved, "run_dir": str(run_dir)}  # (a copy)
+    assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
+
+
+def test_a_lost_log_line_that_a_checkpoint_covers_is_reported_as_a_hole(stopped_runs, tmp_path, capsys):
+    run_dir = stopped_copy(stopped_runs, tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join([lines[0], lines[2]]) + "\n")  # student 1 lost
+    R.main(["--resume", str(run_dir)])  # before: dropped in silence
+    assert "metrics.jsonl has no line for 1 iteration(s) that the checkpoint covers (student 1)" in \
+        capsys.readouterr().out
+    assert checks.log_holes(run_dir, ("student",), "student", 2, {}) is not None
+    assert checks.log_holes(run_dir, ("student",), "student", 0, {}) is None
+    assert "(teacher 0, teacher 1)" in checks.log_holes(run_dir, ("teacher", "student"), "student", 0,
+                                                                {"teacher": 1})
+
+
+def test_an_empty_catalogue_is_refused_before_the_folder_is_taken(tmp_path):
+    shop = tmp_path / "shop"
+    write_catalogue(shop, [])
+    one_line_refusal(QUICK + [*GRPO, "--webshop-data", str(shop), "--run-dir", str(tmp_path / "s")],
+                     "yields no training and no validation and no report task")
+    assert not (tmp_path / "s").exists()  # before: IndexError, and the folder blocked the corrected command
+
+
+def test_a_permission_error_is_one_line(tmp_path):
+    """As root no file is unreadable: the refusal is raised where a non-root user meets it (a resume's
+    config.json), in a fresh interpreter that runs retireopd.py as a script."""
+    script = ("import checks, runpy, sys\n"
+              "def denied(*a, **k): raise PermissionError(13, 'Permission denied', sys.argv[-1] + '/config.json')\n"
+              "checks.saved_settings = denied\n"
+              "runpy.run_path('retireopd.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", script, "--resume", str(tmp_path)], cwd=HERE, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"retireopd: permission denied: {tmp_path}/config.json (this user may not read or write it: ask its owner, "
+        "or choose another --run-dir / data folder)"]
