@@ -693,12 +693,21 @@ def write_fixture_alfworld_games(out_root):
         trial.mkdir(parents=True, exist_ok=True)
         game = {"pddl_domain": domain, "grammar": grammar.replace("UNKNOWN GOAL", sentence),
                 "pddl_problem": problem, "solvable": True, "walkthrough": actions}
-        (trial / "game.tw-pddl").write_text(json.dumps(game))
+        _write_new_file(trial / "game.tw-pddl", json.dumps(game))
         annotation = sentence[0].upper() + sentence[1:] + "."
         traj = {"task_type": task_type,
                 "pddl_params": {"object_target": obj, "parent_target": target,
                                 "toggle_target": target if target == "DeskLamp" else "",
                                 "mrecep_target": "", "object_sliced": False},
                 "turk_annotations": {"anns": [{"task_desc": annotation}]}}
-        (trial / "traj_data.json").write_text(json.dumps(traj))
+        _write_new_file(trial / "traj_data.json", json.dumps(traj))
     return out_root
+
+
+def _write_new_file(path, text):
+    """path.write_text(text) into a run folder: whatever held the name is unlinked (a link or a hard link
+    goes, what it pointed to is untouched), and the file is created anew with O_EXCL | O_NOFOLLOW."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+        f.write(text)

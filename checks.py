@@ -59,26 +59,43 @@ def holds_a_run(folder: Path) -> bool:
 
 
 WRITE_TEST = ".retireopd-write-test"
+IN_PLACE = ("metrics.jsonl", "events.jsonl", "eval.jsonl", ".retireopd.lock")  # written without a new file
+FILES = (RUN_IDENTITY, "config.json", "plot.png", "compare.png", WRITE_TEST)  # replaced whole (a temp, a rename)
 OWN_FOLDERS = ("checkpoints", "teacher", "student", "tiny_base", "alfworld_fixtures")  # written by this script
 
 
 def run_folder_problem(folder: Path) -> Optional[str]:
     """Why the run folder cannot be used safely, or None: an entry that the program owns (the logs, the
     configs, the lock, the write test, the temp and set-aside names, the plots, and everything inside
-    OWN_FOLDERS) is a link, a FIFO, a socket or a device. A link could make the run read, write, rename or
-    delete outside its folder; a FIFO would block it. The folder itself may be reached through a link."""
+    OWN_FOLDERS) is a link, a FIFO, a socket or a device, a file where a folder belongs or the reverse,
+    a file written in place with other hard links, or a folder that cannot be listed. A link could make
+    the run read, write, rename or delete outside its folder; a FIFO would block it. The folder itself
+    may be reached through a link."""
     folder = Path(folder)
     if not os.path.isdir(folder):  # (False for a name too long too: the write test says why)
         return None
     owned = {*RUN_ENTRIES, *RUN_ARTEFACTS, LOCK_FILE, WRITE_TEST, "compare.png"}
     entries = [folder / name for name in sorted(os.listdir(folder))
                if name in owned or name.endswith((".tmp", ".corrupt"))]
-    for path in list(entries):
-        if path.name in OWN_FOLDERS and stat.S_ISDIR(os.lstat(path).st_mode):
-            for root, folders, files in os.walk(path):  # (os.walk follows no link)
-                entries += [Path(root) / name for name in sorted(folders + files)]
+    try:
+        for path in list(entries):
+            if path.name in OWN_FOLDERS and stat.S_ISDIR(os.lstat(path).st_mode):
+                for root, folders, files in os.walk(path, onerror=raise_it):  # (os.walk follows no link)
+                    entries += [Path(root) / name for name in sorted(folders + files)]
+    except OSError as error:
+        return f"cannot list {error.filename} ({error.strerror}): the run must see everything in its own folders"
     for path in entries:
-        mode = os.lstat(path).st_mode
+        try:
+            mode, links = os.lstat(path).st_mode, os.lstat(path).st_nlink
+        except FileNotFoundError:  # (gone since it was listed: another rank's write test)
+            continue
+        if stat.S_ISREG(mode) and links > 1 and path.name in IN_PLACE:
+            return (f"{path} has {links - 1} other hard link(s): the run writes to it in place, so it would change "
+                    "them too; copy it (cp, not ln), then try again")
+        if stat.S_ISREG(mode) and path.name in OWN_FOLDERS and path.parent == folder \
+                or stat.S_ISDIR(mode) and path.name in {*IN_PLACE, *FILES}:
+            return f"{path} is a {'file' if stat.S_ISREG(mode) else 'folder'}, where the run keeps a " + \
+                ("folder" if stat.S_ISREG(mode) else "file") + ": move it away, then try again"
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             kind = f"a link to {os.readlink(path)}" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
                 else "not a regular file (a socket or a device)"
@@ -86,6 +103,10 @@ def run_folder_problem(folder: Path) -> Optional[str]:
                     "make the run write, rename or delete outside it, a FIFO would block it); remove it, then try "
                     "again")
     return None
+
+
+def raise_it(error: OSError) -> None:
+    raise error
 
 
 def check_run_folder(run_dir: str, resuming: bool) -> list:
@@ -200,7 +221,8 @@ def stopped_before_its_first_iteration(folder: Path) -> bool:
     """A run folder whose start failed after run.json was written (a teacher that does not fit, a
     model that does not load): our run.json, and no iteration, evaluation, checkpoint or saved model."""
     try:
-        if "run_id" not in json.loads(read_owned_text(folder / RUN_IDENTITY)):
+        identity = json.loads(read_owned_text(folder / RUN_IDENTITY))
+        if not isinstance(identity, dict) or "run_id" not in identity:
             return False
     except (OSError, ValueError, TypeError):
         return False
@@ -226,6 +248,7 @@ def run_identity(folder: Path, cfg, inputs: Optional[dict]) -> dict:
             return same_inputs(identity, inputs, folder)
     damaged = os.path.lexists(path)
     if damaged:
+        remove_entry(path.with_name(RUN_IDENTITY + ".corrupt"))
         os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
@@ -279,27 +302,32 @@ def run_inputs(cfg, suite) -> dict:
 
 def saved_model_problem(folder: Path) -> Optional[str]:
     """Why a model folder (a checkpoint, a teacher, --model) is not whole, or None. Whole: weights, a
-    config, a tokenizer (tokenizer.json, or vocab.json + merges.txt) and a chat template; every .json
-    file parses and every .safetensors file is as long as its header says (a file cut short by a crash
-    or a full disk fails one of them); and no file names custom code (auto_map): this script never runs
-    code from a model folder. Cheap: the weights themselves are not read."""
-    weights = sorted(folder.glob("*.safetensors"))
+    config, a tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model) and a chat template;
+    every entry a file or a folder (a FIFO would block the load), every .json file parses and every
+    .safetensors file is as long as its header says (a file cut short by a crash or a full disk fails
+    one of them); and no file names custom code (auto_map): this script never runs code from a model
+    folder. Cheap: the weights themselves are not read. (A --model folder's files may be links, as in
+    the hub cache: they are followed here; a run folder's own entries never are, run_folder_problem.)"""
+    special = next((p.name for p in sorted(folder.iterdir()) if not (p.is_file() or p.is_dir())), None)
+    if special is not None:
+        return f"{special} is neither a file nor a folder (a FIFO, a device or a dangling link)"
+    weights = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     if not (folder / "config.json").is_file() or not weights:
         return "no config.json" if weights else "no .safetensors weights"
     configs = {}
     for path in sorted(folder.glob("*.json")):
         try:
-            configs[path.name] = json.loads(path.read_text())  # (a --model folder's files may be links: the hub cache)
-        except (ValueError, UnicodeDecodeError):
+            configs[path.name] = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError, IsADirectoryError):
             return f"{path.name} is cut short or damaged"
     custom = [name for name in ("config.json", "tokenizer_config.json")
               if isinstance(configs.get(name), dict) and configs[name].get("auto_map")]
     if custom:
         return (f"its {custom[0]} names custom code (auto_map): this script runs no code from a model folder "
                 "(trust_remote_code=False)")
-    if not (folder / "tokenizer.json").is_file() and not all((folder / n).is_file() for n in ("vocab.json",
-                                                                                              "merges.txt")):
-        return "no tokenizer (tokenizer.json, or vocab.json and merges.txt)"
+    if not any(all((folder / name).is_file() for name in names) for names in (
+            ("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))):
+        return "no tokenizer (tokenizer.json, vocab.json and merges.txt, or tokenizer.model)"
     template = folder / "chat_template.jinja"
     in_config = (configs.get("tokenizer_config.json") or {}).get("chat_template") \
         if isinstance(configs.get("tokenizer_config.json"), dict) else None
@@ -663,7 +691,8 @@ def open_task_suite(cfg, created: list = ()) -> TaskSuite:
         suite = TaskSuite(cfg)
     except PermissionError as error:
         give_back_run_folder(cfg.run_dir, list(created))
-        raise SystemExit(f"retireopd: cannot read {error.filename or data}: permission denied") from None
+        raise SystemExit(f"retireopd: permission denied: {error.filename or data} (this user may not read or write "
+                         "it)") from None
     except (FileNotFoundError, ValueError) as error:
         give_back_run_folder(cfg.run_dir, list(created))
         raise SystemExit(f"retireopd: {error}") from None
@@ -753,7 +782,7 @@ def validate_config(cfg, algorithms: dict, notes: bool = True) -> None:
                  "token_budget", "ppo_epochs", "logprob_chunk"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.max_prompt_tokens < MIN_PROMPT_TOKENS:
+    if cfg.max_prompt_tokens < (MIN_PROMPT_TOKENS if notes else 1):  # (a resume: the run's own value)
         problems.append(f"--max-prompt-tokens must be >= {MIN_PROMPT_TOKENS}: a first prompt (instructions, task, "
                         "actions) is longer, so a smaller budget would cut every prompt")
     if isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:

@@ -108,10 +108,14 @@ def create_file(path: Path) -> int:
 
 
 def fsync_folder(folder: Path) -> None:
-    """fsync a folder: the names renamed into it or deleted from it survive a power loss."""
+    """fsync a folder: the names renamed into it or deleted from it survive a power loss (a filesystem
+    that cannot fsync a folder, EINVAL, keeps its own order)."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
@@ -168,6 +172,17 @@ def read_trainer_state(folder: Path) -> dict:
     weights_only: tensors, numbers, strings, lists, tuples and dicts, which is all it holds; a file that
     asks to build any other object (a pickle can run code) fails to load, and nothing of it runs."""
     return torch.load(folder / "trainer.pt", weights_only=True, map_location="cpu", mmap=True)
+
+
+def drop_custom_code(folder: Path) -> None:
+    """Remove `auto_map` (the custom code a model's hub repo may name, which this script never runs: the
+    model loads with transformers' own class) from a model folder it saved, so that its checkpoints and
+    final models, which must name no code (checks.saved_model_problem), load again."""
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        config = json.loads(path.read_text()) if path.is_file() else None
+        if isinstance(config, dict) and config.pop("auto_map", None) is not None:
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def save_pretrained_as(model, folder: Path, dtype: torch.dtype, weights: Optional[dict] = None) -> None:

@@ -54,8 +54,9 @@ import memory  # the peak-memory gauges and the memory estimate
 import multigpu  # what several processes add: the three `if ddp:` steps of the method
 import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
 import webshop_env  # WebShop in pure Python, and its skill notes
-from common import (PHASES, append_line, checkpoint_folders, finite_json, fsync_folder, fsync_tree, read_jsonl,
-                    read_trainer_state, remove_entry, resolve_model_name, save_pretrained_as, write_text_atomically)
+from common import (PHASES, append_line, checkpoint_folders, drop_custom_code, finite_json, fsync_folder, fsync_tree,
+                    read_jsonl, read_trainer_state, remove_entry, resolve_model_name, save_pretrained_as,
+                    write_text_atomically)
 from engine import autocast, generate  # sampling a batch of answers from the full distribution
 from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
 
@@ -1553,7 +1554,7 @@ class Run:
                              "(what was saved before is kept)")
         try:
             remove_entry(tmp)
-            tmp.mkdir()  # (fails on a link planted meanwhile: mkdir follows none)
+            tmp.mkdir(mode=0o755)  # (fails on a link planted meanwhile; nobody else may add entries in it)
             if dtype is None:
                 model.save_pretrained(tmp, state_dict=weights)
             else:
@@ -1563,6 +1564,7 @@ class Run:
                 (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
             if trainer_state is not None:
                 torch.save(trainer_state, tmp / "trainer.pt")
+            drop_custom_code(tmp)
             fsync_tree(tmp)
         except (OSError, RuntimeError, SafetensorError) as error:  # torch says "unexpected pos" on a full disk
             shutil.rmtree(tmp, ignore_errors=True)  # what was saved before stays as it was

@@ -488,3 +488,23 @@ def test_broken_alfworld_games_through_the_real_engine(tmp_path):
         Path(game).write_text(broken)
     one_line_refusal(flags + ["--run-dir", str(tmp_path / "all")],
                      "every episode of the student validation \\(3 tasks\\) failed to start")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("alfworld") is None, reason="alfworld is not installed")
+def test_fixture_games_are_written_anew_never_through_a_link(tmp_path, fixture_root):
+    """A run rewrites its fixture games at every start: a link or a hard link left at a game's name is
+    replaced, and what it pointed to is untouched (before: write_text wrote through both)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("another user's file\n")
+    games = sorted(fixture_root.rglob("game.tw-pddl"))
+    out = tmp_path / "alfworld_fixtures"
+    shutil.copytree(fixture_root, out)
+    first, second = (out / game.relative_to(fixture_root) for game in games[:2])
+    first.unlink()
+    first.symlink_to(victim)
+    second.unlink()
+    os.link(victim, second)
+    write_fixture_alfworld_games(out)
+    assert victim.read_text() == "another user's file\n" and os.stat(victim).st_nlink == 1
+    assert not first.is_symlink() and first.read_text() == games[0].read_text()
+    assert second.read_text() == games[1].read_text()

@@ -513,6 +513,7 @@ def test_a_lost_run_json_is_restored_from_the_checkpoints(tmp_path, monkeypatch,
         (run_dir / "run.json").unlink()
     else:
         (run_dir / "run.json").write_text('{"run_id": "2026')
+        (run_dir / "run.json.corrupt").mkdir()  # an older one set aside, in the way: before, IsADirectoryError
     capsys.readouterr()
     R.main(["--resume", str(run_dir)])
     said = capsys.readouterr().out
@@ -744,6 +745,8 @@ PLANTED = [  # (the entry, a link to the victim's file / folder or a FIFO, resum
     ("metrics.jsonl", "dangling", "new"), ("tensorboard", "folder", "new"), ("tiny_base", "folder", "resume"),
     ("run.json", "fifo", "resume"), ("checkpoints/1-student-00002/trainer.pt", "fifo", "resume"),
     ("metrics.jsonl", "fifo", "new"), ("config.json", "fifo", "resume"), ("events.jsonl", "file", "resume"),
+    ("metrics.jsonl", "hard link", "resume"), (".retireopd.lock", "hard link", "new"),
+    ("checkpoints", "plain file", "resume"), ("config.json", "plain folder", "resume"),
 ]
 
 
@@ -763,11 +766,17 @@ def test_a_link_or_fifo_among_a_run_folders_entries_is_refused_and_nothing_outsi
     path.unlink(missing_ok=True)
     if kind == "fifo":
         os.mkfifo(path)
+    elif kind == "hard link":  # (the kernel's protected_hardlinks stops most of these; a test runs as root)
+        os.link(victim / "notes.txt", path)
+    elif kind.startswith("plain"):  # a file where the run keeps a folder, or the reverse: before, a traceback
+        path.mkdir() if kind == "plain folder" else path.write_text("")
     else:
         path.symlink_to({"file": victim / "notes.txt", "folder": victim, "dangling": victim / "new.jsonl"}[kind])
     before = contents()
     argv = ["--resume", str(run_dir)] if start == "resume" else QUICK + [*GRPO, "--run-dir", str(run_dir)]
-    one_line_refusal(argv, f"{path} is {'a FIFO' if kind == 'fifo' else 'a link to'}.*remove it")
+    said = {"hard link": "has 1 other hard link", "fifo": "is a FIFO.*remove it", "plain file": "is a file, where",
+            "plain folder": "is a folder, where"}.get(kind, "is a link to.*remove it")
+    one_line_refusal(argv, f"{path} {said}")
     assert contents() == before  # before: overwritten, truncated, deleted or created there; a FIFO blocked
     assert os.path.lexists(path)  # and the entry is left for its owner to look at
 
@@ -792,13 +801,20 @@ def test_the_file_helpers_follow_no_link_and_wait_on_no_fifo(tmp_path):
     with pytest.raises(OSError):
         append_line(folder / "metrics.jsonl", "{}")
     (folder / "checkpoints").symlink_to(victim)
+    assert R.checkpoint_folders(folder) == []  # (the victim holds a folder named like a checkpoint)
     remove_entry(folder / "checkpoints")  # the link goes, never what it points to
     assert not os.path.lexists(folder / "checkpoints")
-    assert R.checkpoint_folders(folder) == []
     os.mkfifo(folder / "run.json")
     with pytest.raises(OSError):  # at once: O_NONBLOCK, and not a regular file
         read_owned_text(folder / "run.json")
     assert contents() == before
+    (folder / "teacher" / "deep").mkdir(parents=True)
+    real_scandir = os.scandir
+    with pytest.MonkeyPatch.context() as patch:  # (as root every folder can be listed: the refusal, simulated)
+        patch.setattr(os, "scandir", lambda path=".": (_ for _ in ()).throw(PermissionError(
+            13, "Permission denied", str(path))) if str(path).endswith("deep") else real_scandir(path))
+        assert checks.run_folder_problem(folder) == f"cannot list {folder}/teacher/deep (Permission denied): " \
+                                                    "the run must see everything in its own folders"
 
 
 def test_a_model_saved_over_a_planted_link_writes_inside_the_folder(tmp_path, tiny):
@@ -865,6 +881,10 @@ def test_a_model_that_names_custom_code_is_refused_and_none_of_it_runs(stopped_r
     one_line_refusal(QUICK + [*GRPO, "--model", str(model), "--run-dir", str(tmp_path / "m")],
                      "config.json names custom code \\(auto_map\\)")
     assert not marker.exists()
+    tiny_model, tokenizer = R.load_policy(str(run_dir / "student"), torch.device("cpu"), torch.float32)
+    tiny_model.config.auto_map = {"AutoConfig": "evil.EvilConfig"}  # a hub model that names code it does not need
+    saved = R.Run(small_cfg(run_dir=str(tmp_path / "s"))).save_model(tiny_model, tokenizer, "student")
+    assert checks.saved_model_problem(saved) is None  # what a run saves names no code: its resume loads it
 
 
 @pytest.mark.parametrize("damage,problem", [
@@ -902,6 +922,22 @@ def test_a_model_folder_without_a_tokenizer_or_chat_template_is_refused_in_one_l
     (model / lost).unlink()  # before: trained on a 3-token tokenizer in silence, or a traceback in the rollout
     one_line_refusal(QUICK + [*GRPO, "--model", str(model), "--run-dir", str(tmp_path / "m")], problem)
     assert not (tmp_path / "m").exists()
+    if lost == "tokenizer.json":  # a SentencePiece tokenizer is one too
+        (model / "tokenizer.model").write_bytes(b"")
+        assert checks.saved_model_problem(model) is None
+
+
+def test_a_fifo_in_a_model_folder_is_refused_at_once(stopped_runs, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(sorted((stopped_runs / "grpo" / "checkpoints").iterdir())[-1], model)
+    os.mkfifo(model / "extra.json")  # before: open() waited for a writer, forever
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("blocked on the FIFO"))
+    signal.alarm(60)
+    try:
+        one_line_refusal(QUICK + [*GRPO, "--model", str(model), "--run-dir", str(tmp_path / "m")],
+                         "extra.json is neither a file nor a folder")
+    finally:
+        signal.alarm(0)
 
 
 def test_a_model_folder_of_links_loads_as_the_hub_cache_lays_it_out(stopped_runs, tmp_path):
