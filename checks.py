@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 import alfworld_env
 import multigpu
 from common import (ENVS, MODEL_ALIASES, PHASES, checkpoint_folders, create_file, read_jsonl, read_owned_text,
-                    read_trainer_state, remove_entry, resolve_model_name, write_text_atomically)
+                    read_trainer_state, remove_entry, rename_entry, resolve_model_name, write_text_atomically)
 from environments import TaskSuite
 
 
@@ -248,8 +248,7 @@ def run_identity(folder: Path, cfg, inputs: Optional[dict]) -> dict:
             return same_inputs(identity, inputs, folder)
     damaged = os.path.lexists(path)
     if damaged:
-        remove_entry(path.with_name(RUN_IDENTITY + ".corrupt"))
-        os.replace(path, path.with_name(RUN_IDENTITY + ".corrupt"))
+        rename_entry(path, path.with_name(RUN_IDENTITY + ".corrupt"), folder)
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
                 "inputs": inputs}
@@ -449,8 +448,7 @@ def first_resumable_checkpoint(run_dir: Path, run_id: str) -> tuple[Optional[Pat
         if problem is None:
             return folder, state
         aside = folder.with_name(folder.name + ".corrupt")
-        remove_entry(aside)
-        folder.rename(aside)
+        rename_entry(folder, aside, run_dir)
         print(f"[retireopd] note: checkpoint {folder.name} is not usable ({problem}): set aside as "
               f"{aside.name}; trying the one before it")
     return None, None

@@ -87,16 +87,39 @@ def append_line(path: Path, line: str) -> None:
         f.write(line + "\n")
 
 
-def remove_entry(path: Path) -> None:
+def no_link_between(root: Path, path: Path) -> None:
+    """Raise OSError (ELOOP) if a folder between root (a run folder, which may itself be reached through a
+    link) and path is a link or not a folder: what is then deleted or renamed at path stays inside root,
+    even when a link was planted after the run folder was checked."""
+    parts = Path(path).relative_to(root).parts
+    for depth in range(1, len(parts)):
+        folder = Path(root).joinpath(*parts[:depth])
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            raise OSError(errno.ELOOP, "a link, or not a folder, inside the run folder", str(folder))
+
+
+def remove_entry(path: Path, root: Optional[Path] = None) -> None:
     """Delete a run folder's entry: a link or a file is unlinked (a link's target is never touched), a
-    real folder removed with its contents (shutil.rmtree unlinks the links inside, never follows them)."""
+    real folder removed with its contents (shutil.rmtree unlinks the links inside, never follows them).
+    root: the run folder, when path lies deeper than its top (no_link_between is checked first)."""
     path = Path(path)
+    no_link_between(root or path.parent, path)
     if not os.path.lexists(path):
         return
     if stat.S_ISDIR(os.lstat(path).st_mode):
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+def rename_entry(source: Path, target: Path, root: Path) -> None:
+    """Rename a run folder's entry (a real file or folder, never a link) to target, replacing what target
+    held (remove_entry); neither name is reached through a link below root (no_link_between)."""
+    no_link_between(root, source)
+    if stat.S_ISLNK(os.lstat(source).st_mode):
+        raise OSError(errno.ELOOP, "a link where the run keeps a file or folder", str(source))
+    remove_entry(target, root)
+    Path(source).rename(target)
 
 
 def create_file(path: Path) -> int:

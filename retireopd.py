@@ -55,7 +55,7 @@ import multigpu  # what several processes add: the three `if ddp:` steps of the 
 import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
 import webshop_env  # WebShop in pure Python, and its skill notes
 from common import (PHASES, append_line, checkpoint_folders, drop_custom_code, finite_json, fsync_folder, fsync_tree,
-                    read_jsonl, read_trainer_state, remove_entry, resolve_model_name, save_pretrained_as,
+                    read_jsonl, read_trainer_state, remove_entry, rename_entry, resolve_model_name, save_pretrained_as,
                     write_text_atomically)
 from engine import autocast, generate  # sampling a batch of answers from the full distribution
 from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
@@ -1458,7 +1458,7 @@ def warm_started_tiny_base(run: Run, device: torch.device, steps: int,
                 remove_entry(run.dir / "tiny_base.tmp")
                 shutil.copytree(shipped, run.dir / "tiny_base.tmp")
                 fsync_tree(run.dir / "tiny_base.tmp")
-                (run.dir / "tiny_base.tmp").rename(folder)
+                rename_entry(run.dir / "tiny_base.tmp", folder, run.dir)
                 print(f"[retireopd] base model: {steps} warm-start steps, the project's tiny_base/ (built by this code)")
         if not (folder / "retireopd.json").is_file():
             one_thread_if_small(model, device)
@@ -1553,7 +1553,7 @@ class Run:
             raise SystemExit(f"retireopd: not saving {final}: {bad} of its tensors hold NaN or infinite values "
                              "(what was saved before is kept)")
         try:
-            remove_entry(tmp)
+            remove_entry(tmp, self.dir)
             tmp.mkdir(mode=0o755)  # (fails on a link planted meanwhile; nobody else may add entries in it)
             if dtype is None:
                 model.save_pretrained(tmp, state_dict=weights)
@@ -1567,10 +1567,13 @@ class Run:
             drop_custom_code(tmp)
             fsync_tree(tmp)
         except (OSError, RuntimeError, SafetensorError) as error:  # torch says "unexpected pos" on a full disk
-            shutil.rmtree(tmp, ignore_errors=True)  # what was saved before stays as it was
+            with contextlib.suppress(OSError):  # what was saved before stays as it was
+                remove_entry(tmp, self.dir)
             raise SystemExit(checks.write_failure(self.dir, name, error)) from None
-        remove_entry(final)
-        tmp.rename(final)
+        try:
+            rename_entry(tmp, final, self.dir)
+        except OSError as error:  # (a link planted above it since the start: nothing is renamed through it)
+            raise SystemExit(checks.write_failure(self.dir, name, error)) from None
         fsync_folder(final.parent)  # the new name is durable before anything older is deleted
         return final
 
@@ -1585,7 +1588,7 @@ class Run:
         self.save_model(model, tokenizer, name, {"config": dataclasses.asdict(self.cfg)},
                         {**state, "run_id": self.run_id, "tokenizer": checks.tokenizer_fingerprint(tokenizer)}, None)
         for old in checkpoint_folders(self.dir)[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
-            remove_entry(old)
+            remove_entry(old, self.dir)
 
     def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
         """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after

@@ -828,6 +828,23 @@ def test_a_model_saved_over_a_planted_link_writes_inside_the_folder(tmp_path, ti
     assert (run.dir / "student" / "model.safetensors").is_file() and contents() == before
 
 
+def test_a_link_planted_above_an_entry_after_the_start_is_never_deleted_or_renamed_through(tmp_path, tiny):
+    import common
+    victim, contents = victim_of(tmp_path)
+    (victim / "1-student-00000.tmp").mkdir()
+    before = contents()
+    run = R.Run(small_cfg(run_dir=str(tmp_path / "run"), keep_checkpoints=1))
+    (run.dir / "checkpoints").symlink_to(victim)  # after the scan: before, rotation deleted the victim's folder
+    with pytest.raises(SystemExit, match="a link, or not a folder, inside the run folder"):
+        run.checkpoint(*tiny, {"phase": "student", "iteration": 1})
+    for act in (lambda: common.remove_entry(run.dir / "checkpoints" / "0-student-00000", run.dir),
+                lambda: common.rename_entry(run.dir / "checkpoints" / "1-student-00000.tmp",
+                                            run.dir / "checkpoints" / "1-student-00000", run.dir)):
+        with pytest.raises(OSError):
+            act()
+    assert contents() == before
+
+
 def test_every_write_is_fsynced_before_its_rename_and_a_checkpoint_before_older_ones_go(tmp_path, tiny,
                                                                                          monkeypatch):
     import common
