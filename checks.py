@@ -387,17 +387,6 @@ def tokenizer_problem(folder: Path, fingerprint: Optional[str]) -> Optional[str]
     return None
 
 
-def fsync_logs(run_dir: Path) -> None:
-    """fsync the jsonl logs: what a checkpoint about to be written covers is on the disk first."""
-    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl"):
-        with contextlib.suppress(FileNotFoundError):
-            fd = os.open(Path(run_dir) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def log_holes(run_dir: Path, trained: tuple, phase: str, iteration: int, last_iterations: dict) -> Optional[str]:
     """The iterations that the checkpoint (phase, iteration) covers and metrics.jsonl has no line for (a
     line lost or cut before the checkpoint: not redone, since the checkpoint is past it), as one note;

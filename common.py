@@ -130,10 +130,11 @@ def create_file(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
 
-def fsync_folder(folder: Path) -> None:
-    """fsync a folder: the names renamed into it or deleted from it survive a power loss (a filesystem
-    that cannot fsync a folder, EINVAL, keeps its own order)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a folder (the names renamed into it or deleted from it then survive a power loss),
+    opened without following a link or waiting on a FIFO. A filesystem that cannot fsync a folder
+    (EINVAL) keeps its own order."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         os.fsync(fd)
     except OSError as error:
@@ -147,12 +148,15 @@ def fsync_tree(folder: Path) -> None:
     """fsync every file of a folder (a model just written), then the folder itself."""
     for path in sorted(Path(folder).rglob("*")):
         if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_folder(folder)
+            fsync_path(path)
+    fsync_path(folder)
+
+
+def fsync_logs(run_dir: Path) -> None:
+    """fsync a run folder's jsonl logs: what a checkpoint about to be written covers is on the disk first."""
+    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl"):
+        if os.path.lexists(Path(run_dir) / name):
+            fsync_path(Path(run_dir) / name)
 
 
 def write_bytes_atomically(path: Path, data: bytes) -> None:
@@ -166,7 +170,7 @@ def write_bytes_atomically(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_folder(path.parent)
+    fsync_path(path.parent)
 
 
 def write_text_atomically(path: Path, text: str) -> None:

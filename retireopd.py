@@ -54,9 +54,9 @@ import memory  # the peak-memory gauges and the memory estimate
 import multigpu  # what several processes add: the three `if ddp:` steps of the method
 import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
 import webshop_env  # WebShop in pure Python, and its skill notes
-from common import (PHASES, append_line, checkpoint_folders, drop_custom_code, finite_json, fsync_folder, fsync_tree,
-                    read_jsonl, read_trainer_state, remove_entry, rename_entry, resolve_model_name, save_pretrained_as,
-                    write_text_atomically)
+from common import (PHASES, append_line, checkpoint_folders, drop_custom_code, finite_json, fsync_logs, fsync_path,
+                    fsync_tree, read_jsonl, read_trainer_state, remove_entry, rename_entry, resolve_model_name,
+                    save_pretrained_as, write_text_atomically)
 from engine import autocast, generate  # sampling a batch of answers from the full distribution
 from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
 
@@ -1574,7 +1574,7 @@ class Run:
             rename_entry(tmp, final, self.dir)
         except OSError as error:  # (a link planted above it since the start: nothing is renamed through it)
             raise SystemExit(checks.write_failure(self.dir, name, error)) from None
-        fsync_folder(final.parent)  # the new name is durable before anything older is deleted
+        fsync_path(final.parent)  # the new name is durable before anything older is deleted
         return final
 
     def checkpoint(self, model, tokenizer, state: dict) -> None:
@@ -1584,7 +1584,7 @@ class Run:
         name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
         if multigpu.main_process():
             (self.dir / "checkpoints").mkdir(exist_ok=True)
-            checks.fsync_logs(self.dir)
+            fsync_logs(self.dir)
         self.save_model(model, tokenizer, name, {"config": dataclasses.asdict(self.cfg)},
                         {**state, "run_id": self.run_id, "tokenizer": checks.tokenizer_fingerprint(tokenizer)}, None)
         for old in checkpoint_folders(self.dir)[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
