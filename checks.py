@@ -374,14 +374,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def tokenizer_problem(folder: Path, fingerprint: Optional[str]) -> Optional[str]:
-    """Why a checkpoint's tokenizer cannot go on with the run, or None: it must load (no remote code), have
-    a chat template, and be the tokenizer the run trained with (its fingerprint, saved in trainer.pt)."""
+    """Why a checkpoint's tokenizer cannot go on with the run, or None: it must load (no remote code) and be
+    the tokenizer the run trained with (its fingerprint, saved in trainer.pt). (Its files, its chat
+    template among them, were checked by saved_model_problem.)"""
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as error:  # a missing, cut or foreign file
         return "its tokenizer does not load: " + (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    if not tokenizer.chat_template:
-        return "its tokenizer has no chat template"
     if fingerprint is not None and tokenizer_fingerprint(tokenizer) != fingerprint:
         return "its tokenizer is not the one the run trained with (another vocabulary or other special tokens)"
     return None
