@@ -715,8 +715,8 @@ def saved_settings(run_dir: str, given: dict, known: set) -> dict:
     # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
     # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
     # disk); and S_T, for a run that stopped at S_T = 0
-    free = ("run_dir", "env_workers", "prefill_batch", "teacher_success", "save_every", "keep_checkpoints",
-            "report_to")  # (and where it is watched: the dashboard)
+    free = ("run_dir", "env_workers", "prefill_batch", "sampler", "eval_batch", "teacher_success", "save_every",
+            "keep_checkpoints", "report_to")  # (and where it is watched: the dashboard)
     clashes = [f"--{k.replace('_', '-')} {v} (the run has {saved.get(k)})"
                for k, v in given.items() if saved.get(k) != v and k not in free]
     if clashes:
@@ -788,6 +788,10 @@ def validate_config(cfg, algorithms: dict, notes: bool = True) -> None:
             problems.append(f"--{name.replace('_', '-')} must be > 0")
     if cfg.eval_temperature < 0:
         problems.append("--eval-temperature must be >= 0 (0: greedy)")
+    if cfg.sampler not in ("eager", "static", "auto"):
+        problems.append("--sampler: eager, static or auto (static on a GPU, eager on CPU)")
+    if cfg.eval_batch < 1:
+        problems.append("--eval-batch must be >= 1")
     if cfg.prefill_batch < 0:
         problems.append("--prefill-batch must be >= 0 (0: prefill every prompt in one forward)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):

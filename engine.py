@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import transformers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import multigpu
 
@@ -24,7 +25,7 @@ class Sampled(NamedTuple):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float,
-             prefill_batch: int = 0) -> list:
+             prefill_batch: int = 0, sampler: str = "eager") -> list:
     """Sample one response per prompt in one batched call. Returns [Sampled] in prompt order.
 
     The sampling settings are passed in full (temperature, top_k=0, top_p=1, no repetition
@@ -32,6 +33,11 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
     the distribution we sampled from. SampledTokenLogprobs keeps each token's log-prob as the
     sampler saw it, to compare with the scoring pass; prefill_cache prefills prefill_batch prompts
     per forward (0: all in one).
+
+    sampler "eager" (the reference) decodes with transformers' growing cache, one Python-dispatched forward per
+    token; "static" preallocates the cache (prefill_static_cache) and samples with a copy of the policy
+    (static_sampling_copy), so that on a GPU generate compiles the decode step and replays it as CUDA graphs; on
+    CPU nothing is compiled and its tokens are the eager path's. "auto": static on a GPU, eager on CPU.
     """
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
@@ -44,19 +50,39 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
         top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     recorder = SampledTokenLogprobs()
+    rows = len(prompts)
+    if sampler == "auto":
+        sampler = "static" if device.type == "cuda" else "eager"
+    if sampler == "static":  # a copy with bf16 Linear weights on a GPU, its attention packed for decode steps
+        model = static_sampling_copy(model)
+        sampling.compile_config = transformers.CompileConfig(dynamic=True) if device.type == "cuda" else None
     with autocast(device), fp32_output_head(model):
-        split = 0 < prefill_batch < len(prompts) and width > 1
-        cache = prefill_cache(model, input_ids, attention_mask, prefill_batch) if split else None
+        if sampler == "static":
+            input_ids, attention_mask = pad_rows(input_ids, attention_mask, row_bucket(rows, device), pad)
+            cache = prefill_static_cache(model, input_ids, attention_mask, prefill_batch,
+                                         cache_length(width + max_new_tokens, device))
+        else:
+            split = 0 < prefill_batch < len(prompts) and width > 1
+            cache = prefill_cache(model, input_ids, attention_mask, prefill_batch) if split else None
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=sampling,
                              logits_processor=transformers.LogitsProcessorList([recorder]), cache=cache)
-    new_tokens = out[:, width:]
-    logps = recorder.finish(new_tokens).float().cpu()
+    new_tokens = out[:rows, width:]
+    logps = recorder.finish(out[:, width:])[:rows].float().cpu()
     responses = []
     for row, logp in zip(new_tokens.tolist(), logps):
         end = next((k for k, tok in enumerate(row) if tok in eos), None)
         n, cut = (end + 1, False) if end is not None else (len(row), True)
         responses.append(Sampled(row[:n], cut, logp[:n]))
     return responses
+
+
+def use_tf32_head(device: torch.device) -> None:
+    """On a GPU, fp32 matrix products run on the tensor cores in TF32. Under bf16 autocast the only fp32 product
+    is the output head (fp32_output_head, token_logprobs): measured on an H200 at Qwen2.5-1.5B, TF32 changes its
+    log-probs by 1.8e-4 on average (at most 1e-3), against a sampling-vs-scoring gap of 1.4e-2 that bf16
+    autocast leaves anyway, and runs it 4.4 times as fast (docs/choices.md: Precision)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def autocast(device: torch.device):
@@ -155,6 +181,111 @@ def prefill_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
     return transformers.DynamicCache(joined_layers(), config=model.config)
 
+
+
+# --- the static path (--sampler static): a preallocated KV cache, so that on a GPU generate compiles its decode
+# step and replays it as CUDA graphs instead of dispatching ~2,400 operators from Python at every token
+
+class CastStaticLayer(transformers.cache_utils.StaticLayer):
+    """A static cache layer that stores keys and values in its own dtype (bf16 on a GPU). Under bf16 autocast the
+    keys leave RoPE in fp32, and SDPA casts them to bf16 at every step anyway: storing them in bf16 gives
+    attention the same numbers, at half the memory and without a cast of the whole cache per step."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.is_initialized:
+            key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+PACKED_SDPA = "retireopd_packed_sdpa"  # the static copy's attention: sdpa, a decode step's heads packed
+
+
+def packed_decode_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Hugging Face's sdpa attention, except a one-token query (a decode step) of a grouped-query model: its
+    query heads are grouped under their key/value head, (batch, heads, 1, dim) -> (batch, kv_heads, groups,
+    dim), so attention reads the cache once per key/value head. Under torch.compile transformers instead
+    repeats the keys and values for every query head (repeat_kv), which copies the cache six times per
+    layer and step for Qwen2.5-1.5B. The same products and sums, in the same precision."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, _, dim = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(  # the mask (batch, 1, 1, length) serves every head
+        query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, 1, heads, dim), None  # (batch, kv_heads, groups, dim) is head-major already
+
+
+transformers.AttentionInterface.register(PACKED_SDPA, packed_decode_sdpa)
+transformers.masking_utils.AttentionMaskInterface.register(PACKED_SDPA, transformers.masking_utils.sdpa_mask)
+
+
+def static_sampling_copy(model):
+    """The model the static path samples with: multigpu.sampling_model's whole copy of the policy (bf16 Linear
+    weights on a GPU, as autocast rounds them; fp32 on CPU), refreshed from the policy at every call (a few ms
+    at 1.5B, against a turn's hundreds of decode steps), with packed_decode_sdpa for its attention."""
+    copy = multigpu.sampling_model(model, whole_copy=True)
+    if copy.config._attn_implementation != PACKED_SDPA:
+        copy.set_attn_implementation(PACKED_SDPA)
+    return copy
+
+
+def kv_dtype(device: torch.device) -> torch.dtype:
+    """The static cache's dtype: bf16 on a GPU (what attention reads under autocast), fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def row_bucket(rows: int, device: torch.device) -> int:
+    """The batch a static generate runs at: on a GPU 8, or a multiple of 32 (each new shape costs a CUDA-graph
+    capture, so few shapes; a small batch costs what 8 rows cost); on CPU the rows themselves."""
+    if device.type != "cuda":
+        return rows
+    return 8 if rows <= 8 else -(-rows // 32) * 32
+
+
+def cache_length(needed: int, device: torch.device, step: int = 256) -> int:
+    """The static cache's length: on a GPU `needed` rounded up to a multiple of `step` (few shapes; attention
+    reads the whole length at every step, so not coarser); else `needed`."""
+    return -(-needed // step) * step if device.type == "cuda" else needed
+
+
+def pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: int, pad: int):
+    """Append rows - len(input_ids) filler rows (one real token, the pad id), sampled and dropped."""
+    extra = rows - input_ids.shape[0]
+    if extra <= 0:
+        return input_ids, attention_mask
+    filler_ids = torch.full((extra, input_ids.shape[1]), pad, dtype=input_ids.dtype, device=input_ids.device)
+    filler_mask = torch.zeros_like(filler_ids)
+    filler_mask[:, -1] = 1
+    return torch.cat([input_ids, filler_ids]), torch.cat([attention_mask, filler_mask])
+
+
+def prefill_static_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows_per_forward: int,
+                         max_length: int):
+    """A static cache of max_length positions holding input_ids[:, :-1], prefilled rows_per_forward rows at a
+    time (prefill_cache's sub-batches, copied into the static tensors layer by layer); bf16 on a GPU."""
+    device, config = input_ids.device, model.config
+    dtype = kv_dtype(device)
+    cache = transformers.Cache(layers=[CastStaticLayer(max_cache_len=max_length)
+                                       for _ in range(config.num_hidden_layers)])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache.early_initialization(input_ids.shape[0], config.num_key_value_heads, head_dim, dtype, device)
+    prompt = input_ids.shape[1] - 1
+    if prompt > 0:
+        positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        step = rows_per_forward if 0 < rows_per_forward < input_ids.shape[0] else input_ids.shape[0]
+        for start in range(0, input_ids.shape[0], step):
+            rows = slice(start, start + step)
+            out = model.base_model(input_ids=input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1],
+                                   position_ids=positions[rows, :-1], use_cache=True,
+                                   cache=transformers.DynamicCache(config=config))
+            for layer, part in zip(cache.layers, out.cache.layers):
+                layer.keys[rows, :, :prompt] = part.keys
+                layer.values[rows, :, :prompt] = part.values
+            del out
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(prompt)
+    return cache
 
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+import engine
 import multigpu
 
 
@@ -60,15 +61,18 @@ def estimate_memory_gb(model, cfg, n_frozen: int, skill_tokens: int = 0,
 
     Always resident: the trained policy's fp32 master weights + fp32 gradient + two fp32 AdamW
     moments (16 B/param), plus autocast's bf16 copy of the weights (2 B/param); the frozen
-    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of three
+    teacher/reference, 4 or 2 B/param (--frozen-dtype). On top of that, the largest of four
     stages that never overlap (each frees its tensors before the next begins):
-      rollout: the KV cache of the lock-step batch at full length (keys fp32 under autocast,
-        values bf16; plus one layer, the copy each decode step's concatenation makes); the
+      rollout: the KV cache of the lock-step batch at full length (eager sampler: keys fp32 under
+        autocast, values bf16, plus one layer, the copy each decode step's concatenation makes;
+        static sampler: keys and values in engine.kv_dtype, the rows and the length rounded up as
+        engine.row_bucket and engine.cache_length round them); the
         prefill's temporaries, for prefill_batch rows (all B*G when 0) of the widest prompt:
         one layer's working set per token (fp32 residual stream, its norm and the attention
         output, 12 B per hidden unit; three bf16 MLP tensors, 6 B per intermediate unit) and
         the boolean attention mask (width^2 B per row); sampling: three fp32 (B*G, vocab)
         tensors per decode step (generate's logits and softmax, our log-softmax).
+      evaluation: the same for a lock-step batch of --eval-batch episodes (a validation or report).
       forward/backward: with gradient checkpointing one fp32 hidden state per layer per token
         of a micro-batch plus one layer's working set; log-probs: one chunk of
         vocabulary-sized fp32 logits and their softmax.
@@ -82,6 +86,7 @@ def estimate_memory_gb(model, cfg, n_frozen: int, skill_tokens: int = 0,
     the policy (sampling_model: 2 B per Linear weight and 4 B per other weight on a GPU, 4 B on
     CPU) and, during a forward or backward, the gathered weights and gradients (fp32) of two
     decoder layers (the one computing and the one prefetched) and of the root (embeddings, lm_head).
+    The static sampler holds the same sampling copy in one process too.
     device: where the run trains (default: the model's), which decides the AdamW path.
     """
     device = device or next(model.parameters()).device
@@ -94,33 +99,47 @@ def estimate_memory_gb(model, cfg, n_frozen: int, skill_tokens: int = 0,
     per_layer_token = hidden * 4 * (1 if cfg.gradient_checkpointing else 24)
     activations = cfg.token_budget * (per_layer_token * layers + 6 * intermediate * 2)
     sequences = cfg.batch_tasks * cfg.group_size // processes
+    eval_sequences = -(-cfg.eval_batch // processes)  # (each rank plays its share of a batch)
     head_dim = hidden // shape.num_attention_heads
     prompt_width = cfg.max_prompt_tokens + skill_tokens
-    kv_cache = (sequences * (prompt_width + cfg.max_response_tokens) * (layers + 1)
-                * shape.num_key_value_heads * head_dim * (4 + 2))
-    prefill_rows = min(cfg.prefill_batch or sequences, sequences)
-    prefill = prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
+    static = cfg.sampler == "static" or (cfg.sampler == "auto" and device.type == "cuda")
+    kv_per_token = shape.num_key_value_heads * head_dim
+
+    def kv_cache(rows: int) -> int:
+        if static:  # keys and values in kv_dtype, rows and length rounded up (the shapes the decode step runs at)
+            length = engine.cache_length(prompt_width + cfg.max_response_tokens, device)
+            size = torch.tensor([], dtype=engine.kv_dtype(device)).element_size()
+            return engine.row_bucket(rows, device) * length * layers * kv_per_token * 2 * size
+        return rows * (prompt_width + cfg.max_response_tokens) * (layers + 1) * kv_per_token * (4 + 2)
+
+    def prefill(rows: int) -> int:
+        prefill_rows = min(cfg.prefill_batch or rows, rows)
+        return prefill_rows * prompt_width * (12 * hidden + 6 * intermediate + prompt_width)
     largest = max(p.numel() for p in params) // processes
     if device.type == "cuda":  # build_adamw: fused on CUDA
         optimizer_temporaries = 0
     else:  # torch's per-parameter loop on CPU: sqrt(v) and its quotient, for the largest parameter
         optimizer_temporaries = 2 * 4 * largest
     sampling_copy = gathered = 0
-    if processes > 1:
+    if processes > 1 or static:
         head = model.get_output_embeddings()
         linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
                      for p in m.parameters())
         sampling_copy = 2 * linear + 4 * (n_params - linear) if device.type == "cuda" else 4 * n_params
+    if processes > 1:
         layer = sum(p.numel() for p in model.base_model.layers[0].parameters())
         gathered = 8 * (2 * layer + n_params - layers * layer)
     bf16_casts = 0 if cfg.gradient_checkpointing else 2 * n_params  # (sharded: kept for backward, whole)
     parts = dict(policy_and_adam=(18 * n_params if processes == 1 else 16 * n_params / processes + bf16_casts),
                  frozen_models=frozen_bytes * n_params * n_frozen / processes, sampling_copy=sampling_copy,
-                 kv_cache=kv_cache, prefill=prefill, sampling=3 * sequences * shape.vocab_size * 4,
+                 kv_cache=kv_cache(sequences), prefill=prefill(sequences),
+                 sampling=3 * sequences * shape.vocab_size * 4, eval_kv_cache=kv_cache(eval_sequences),
+                 eval_prefill=prefill(eval_sequences), eval_sampling=3 * eval_sequences * shape.vocab_size * 4,
                  activations=activations, logits=cfg.logprob_chunk * shape.vocab_size * 12, gathered=gathered,
                  optimizer_temporaries=optimizer_temporaries)
     gib = {k: round(v / 2**30, 2) for k, v in parts.items()}
     stages = {"rollout": gib["kv_cache"] + gib["prefill"] + gib["sampling"],
+              "evaluation": gib["eval_kv_cache"] + gib["eval_prefill"] + gib["eval_sampling"],
               "forward_backward": gib["activations"] + gib["logits"] + gib["gathered"],
               "optimizer_step": gib["optimizer_temporaries"]}
     gib["peak_stage"] = max(stages, key=stages.get)
@@ -134,6 +153,7 @@ def estimate_memory_gb(model, cfg, n_frozen: int, skill_tokens: int = 0,
 def format_memory_estimate(memory: dict) -> str:
     """One line: the total, what stays resident, and each stage with its parts (the largest first)."""
     stages = {"rollout": ("kv_cache", "prefill", "sampling"),
+              "evaluation": ("eval_kv_cache", "eval_prefill", "eval_sampling"),
               "forward_backward": ("activations", "logits", "gathered"), "optimizer_step": ("optimizer_temporaries",)}
     order = sorted(stages, key=lambda stage: stage != memory["peak_stage"])
     described = [f"{stage}: " + " + ".join(f"{part} {memory[part]}" for part in stages[stage]

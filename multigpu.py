@@ -180,15 +180,17 @@ def full_state_dict(model) -> Optional[dict]:
 
 
 @torch.no_grad()
-def sampling_model(policy):
-    """The model that generates: the policy itself; when sharded, a whole copy of its weights on
-    this rank, refreshed from the shards now (collective: every rank calls it at the same point).
+def sampling_model(policy, whole_copy: bool = False):
+    """The model that generates: the policy itself; when sharded, or when asked (whole_copy: engine.py's static
+    sampler, in one process too), a whole copy of its weights on this rank, refreshed from the policy now (when
+    sharded, collective: every rank calls it at the same point). A copy is returned as it is.
 
     Why a copy: generating with the sharded policy gathers every layer's weights at every decode
     step (at 7B, 30 GB of fp32 weights per token step); the copy costs one gather per iteration. On
     a GPU it holds the Linear layers in bf16, the values autocast computes with, and the rest in
-    fp32, so it samples exactly as the one-process policy does under autocast: about 2 B/param."""
-    if not sharded(policy):
+    fp32, so it samples exactly as the one-process policy does under autocast: about 2 B/param (and a
+    compiled decode step reads bf16 weights instead of casting every fp32 weight at every step)."""
+    if policy.__dict__.get("is_sampling_copy") or not (sharded(policy) or whole_copy):
         return policy
     device = next(policy.parameters()).device
     replica = policy.__dict__.get("sampling_copy")  # a plain attribute: not a submodule, not in state_dict
@@ -205,6 +207,7 @@ def sampling_model(policy):
         for name, buffer in policy.named_buffers():  # rotary frequencies, as the policy computed them
             replica.get_buffer(name).copy_(buffer)
         replica.generation_config = policy.generation_config
+        replica.__dict__["is_sampling_copy"] = True
         policy.__dict__["sampling_copy"] = replica.requires_grad_(False).eval()
     shards = dict(policy.named_parameters())
     for name, parameter in replica.named_parameters():

@@ -57,7 +57,7 @@ import webshop_env  # WebShop in pure Python, and its skill notes
 from common import (PHASES, append_line, checkpoint_folders, drop_custom_code, finite_json, fsync_logs, fsync_path,
                     fsync_tree, read_jsonl, read_trainer_state, remove_entry, rename_entry, resolve_model_name,
                     save_pretrained_as, write_text_atomically)
-from engine import autocast, generate  # sampling a batch of answers from the full distribution
+from engine import autocast, generate, use_tf32_head  # sampling a batch of answers from the full distribution
 from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
 
 
@@ -125,6 +125,9 @@ class Config:
     max_prompt_tokens: Optional[int] = arg(None, "student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)")
     prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
                              "it times the prompt width, not with B*G); 0: all of them in one forward")
+    sampler: str = arg("eager", "eager: the reference decode loop | static: a static KV cache (bf16 on a GPU) whose "
+                       "decode step is compiled into CUDA graphs on a GPU (engine.py; docs/cost.md) | auto: static on a "
+                       "GPU, eager on CPU")
     temperature: float = arg(1.0, "rollout temperature (full distribution: top_k=0, top_p=1)")
     malformed_penalty: float = arg(0.1, "subtracted from a turn's score when its answer is malformed")
     success_reward: float = arg(10.0, "R_i for a won episode")
@@ -157,6 +160,8 @@ class Config:
     # --- evaluation & outputs --------------------------------------------------------------------
     eval_every: int = arg(5, "validation every N iterations (1 <= N <= W) and at a phase's last iteration")
     eval_temperature: float = arg(0.4, "sampling temperature of validations and the end-of-phase reports")
+    eval_batch: int = arg(256, "episodes per lock-step batch of a validation or report: a panel of n tasks is played "
+                          "in ceil(n / this) batches (the memory estimate counts one)")
     eval_episodes: Optional[int] = arg(None, "cap every panel, for quick checks (ALFWorld: round-robin over task "
                                        "types; WebShop: the first N goals); None = the whole panel")
     save_every: int = arg(10, "resumable checkpoint every N iterations (also at phase ends, retirement; 0: only there)")
@@ -638,7 +643,7 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
             meter.prompts_truncated += truncated
         with meter.generate():
             responses = generate(model, tokenizer, prompts, cfg.max_response_tokens, temperature,
-                                 prefill_batch=cfg.prefill_batch)
+                                 prefill_batch=cfg.prefill_batch, sampler=cfg.sampler)
         actions = []  # (episode, action): every answer steps its env, a malformed one too (project_action)
         for episode, prompt, teacher_prompt, response in zip(active, prompts, teacher_prompts, responses):
             action, well_formed = project_action(tokenizer.decode(response.ids, skip_special_tokens=True), cfg.env,
@@ -946,11 +951,11 @@ def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skill
     """Success on a fixed panel (`tasks`) at the evaluation temperature, per task type and overall.
 
     The panels never change between runs (sorted games / the fixed validation goals); episodes
-    are played in lock-step batches of B*G with a fixed sampling seed (recorded), drawn from a
-    forked RNG so that evaluating does not change the training run's random stream.
+    are played in lock-step batches of --eval-batch (as few as that allows) with a fixed sampling seed
+    (recorded), drawn from a forked RNG so that evaluating does not change the training run's random stream.
     """
     device = next(model.parameters()).device
-    model, chunk = multigpu.sampling_model(model), cfg.batch_tasks * cfg.group_size
+    model, chunk = multigpu.sampling_model(model), cfg.eval_batch
     records = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + 12345)
@@ -1847,6 +1852,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = multigpu.start_processes(cfg)  # the device; under torchrun also the process group
+    use_tf32_head(device)  # (the fp32 output head on a GPU's tensor cores: engine.py)
     suite = checks.open_task_suite(cfg, created)  # data problems surface here, in one line, before any model is loaded
     run = Run(cfg, checks.run_inputs(cfg, suite))
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);

@@ -222,3 +222,108 @@ def test_recorded_logprobs_are_the_scoring_passes_at_temperature_one(tiny):
     assert R.sampling_numerics(made, [torch.tensor([-1.5, -1.75]), torch.tensor([-3.0])]) == {
         "sample_logp_gap_mean": 0.25, "sample_logp_gap_max": 0.5}
     assert R.sampling_numerics([R.TurnSample(0, 0, [1], [2], False)], [torch.tensor([-1.0])]) == {}
+
+
+# --- the static sampler (--sampler static): CPU equality with the eager path ------------------------------
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    """A model with grouped-query attention (4 query heads over 2 key/value heads, as Qwen2.5 groups 6 over 2)
+    and the real 151,936-token vocabulary: its decode steps take the packed attention."""
+    model, tok = R.load_policy("random:small-vocab151k", torch.device("cpu"), torch.float32, seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(len(tok)) for _ in range(rng.randint(5, 40))] for _ in range(6)]
+    return model, tok, prompts
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("prefill_batch", [0, 4])
+def test_static_sampler_samples_the_eager_tokens_and_log_probs_on_cpu(grouped, temperature, prefill_batch):
+    """Same seed, same tokens, log-probs equal within fp32 rounding, at temperature 1 (training) and 0.5
+    (a validation): a static path that lost the temperature, or sampled from other logits, fails here."""
+    model, tok, prompts = grouped
+    out = {}
+    for sampler in ("eager", "static"):
+        torch.manual_seed(11)
+        out[sampler] = engine.generate(model, tok, prompts, 10, temperature, prefill_batch=prefill_batch,
+                                       sampler=sampler)
+    for eager, static in zip(out["eager"], out["static"]):
+        assert static.ids == eager.ids and static.hit_cap == eager.hit_cap
+        assert torch.allclose(static.logp, eager.logp, atol=1e-5)
+    if temperature == 1.0:  # and they are the scoring pass's log-probs (the temperature-1 distribution)
+        scored = R.sequence_logprobs(model, prompts, [s.ids for s in out["static"]], small_cfg())
+        assert torch.allclose(torch.cat([s.logp for s in out["static"]]), scored, atol=1e-5)
+    copy = model.__dict__["sampling_copy"]  # the copy it sampled with: built once, packed attention
+    assert copy.config._attn_implementation == engine.PACKED_SDPA and not model.config._attn_implementation == engine.PACKED_SDPA
+
+
+def test_static_sampler_follows_the_policy_and_samples_from_fp32_logits(grouped, monkeypatch):
+    """Under bf16 autocast (the GPU's numerics, on the CPU) the copy's logits are fp32: a head left in bf16
+    gives scores that bf16 represents exactly. After an update the copy samples the updated policy."""
+    model, tok, prompts = grouped
+    model = copy.deepcopy(model)
+    monkeypatch.setattr(engine, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+    seen = []
+    real_call = engine.SampledTokenLogprobs.__call__
+    monkeypatch.setattr(engine.SampledTokenLogprobs, "__call__",
+                        lambda self, ids, scores: (seen.append(scores.clone()), real_call(self, ids, scores))[1])
+    engine.generate(model, tok, prompts, 4, 1.0, sampler="static")
+    scores = torch.cat(seen)
+    assert scores.dtype == torch.float32 and not torch.equal(scores, scores.bfloat16().float())
+    with torch.no_grad():  # an "update": the next call's copy has the new weights
+        model.model.norm.weight.mul_(3.0)
+    out = {}
+    for sampler in ("eager", "static"):
+        torch.manual_seed(2)
+        out[sampler] = engine.generate(model, tok, prompts, 6, 1.0, sampler=sampler)
+    assert [s.ids for s in out["static"]] == [s.ids for s in out["eager"]]
+
+
+def test_a_bf16_static_cache_gives_attention_the_same_numbers(grouped, monkeypatch):
+    """Under bf16 autocast attention reads bf16 keys and values whatever the cache holds: a bf16 cache (the
+    GPU's) and an fp32 one sample the same tokens with bit-identical log-probs."""
+    model, tok, prompts = grouped
+    monkeypatch.setattr(engine, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        monkeypatch.setattr(engine, "kv_dtype", lambda device, dtype=dtype: dtype)
+        torch.manual_seed(4)
+        out[dtype] = engine.generate(model, tok, prompts, 8, 1.0, prefill_batch=4, sampler="static")
+    for full, half in zip(out[torch.float32], out[torch.bfloat16]):
+        assert full.ids == half.ids and torch.equal(full.logp, half.logp)
+
+
+def test_packed_decode_attention_equals_attention_over_repeated_keys():
+    torch.manual_seed(0)
+    batch, kv_heads, groups, length, dim = 3, 2, 6, 17, 8
+    query = torch.randn(batch, kv_heads * groups, 1, dim)
+    key, value = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    mask = torch.rand(batch, 1, 1, length) > 0.3
+    mask[..., -1] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, True
+    packed, _ = engine.packed_decode_sdpa(module, query, key, value, mask, scaling=dim ** -0.5)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask)
+    assert packed.shape == (batch, 1, kv_heads * groups, dim)  # (batch, query length, heads, dim), as sdpa's
+    assert torch.allclose(packed, repeated.transpose(1, 2), atol=1e-6)
+
+
+def test_static_shapes_are_few_on_a_gpu_and_exact_on_cpu():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [engine.row_bucket(n, cuda) for n in (1, 8, 9, 32, 33, 128, 137)] == [8, 8, 32, 32, 64, 128, 160]
+    assert [engine.cache_length(n, cuda) for n in (1, 256, 257, 2560)] == [256, 256, 512, 2560]
+    assert (engine.row_bucket(37, cpu), engine.cache_length(999, cpu)) == (37, 999)
+    ids, mask = engine.pad_rows(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 1]]), 3, pad=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 0], [0, 0, 0]] and mask.tolist() == [[0, 1, 1], [0, 0, 1], [0, 0, 1]]
+
+
+def test_a_static_generate_pads_its_rows_and_returns_the_callers(grouped, monkeypatch):
+    """On a GPU the rows are padded to a bucket (engine.row_bucket); filler rows are sampled and dropped."""
+    model, tok, prompts = grouped
+    monkeypatch.setattr(engine, "row_bucket", lambda rows, device: rows + 5)
+    out = engine.generate(model, tok, prompts, 5, 1.0, sampler="static")
+    assert len(out) == len(prompts)
+    scored = R.sequence_logprobs(model, prompts, [s.ids for s in out], small_cfg())
+    assert torch.allclose(torch.cat([s.logp for s in out]), scored, atol=1e-5)

@@ -904,6 +904,18 @@ def test_success_by_task_type():
     assert R.success_by_task_type([]) == {"overall": 0.0, "n": 0}
 
 
+@pytest.mark.parametrize("eval_batch, batches", [(256, [10]), (10, [10]), (4, [4, 4, 2]), (3, [3, 3, 3, 1])])
+def test_a_panel_is_played_in_as_few_lock_step_batches_as_eval_batch_allows(tiny, monkeypatch, eval_batch, batches):
+    model, tok = tiny
+    played = []
+    real_rollout = R.rollout
+    monkeypatch.setattr(R, "rollout", lambda model, tok, suite, tasks, *a, **k: (
+        played.append(len(tasks)), real_rollout(model, tok, suite, tasks, *a, **k))[1])
+    result = R.evaluate(model, tok, FakeSuite(), [0] * 10, small_cfg(eval_batch=eval_batch, max_turns=1),
+                        skills_in_prompt=False, desc="validation")
+    assert played == batches and result["n"] == 10
+
+
 def test_make_micro_batches_respects_budget_and_sorts():
     lengths = [5, 50, 7, 48, 6, 200]
     batches = R.make_micro_batches(lengths, token_budget=100)

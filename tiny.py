@@ -250,4 +250,5 @@ TINY_PRESET = dict(
     env="kitchen", alfworld_data="fixtures", warm_start=500, teacher_iterations=24, iterations=50, batch_tasks=8,
     group_size=8, max_turns=4, max_response_tokens=24, max_prompt_tokens=4096, mini_batch=32, opd_mini_batch=32,
     window=2, eval_every=2, lr=5e-4, lr_warmup_steps=10, entropy_coef=0.01, kl_coef=0.3, opd_coef=3.0,
+    eval_batch=64,
 )
