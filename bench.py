@@ -125,7 +125,7 @@ def head_probe(model, cfg, sizes: ProbeSizes, rng: random.Random) -> Optional[di
     device = next(model.parameters()).device
     if device.type != "cuda":
         return None
-    ids = torch.tensor(random_prompts(rng, model.config.vocab_size, 8, sizes.widths[0]), device=device)[:, :512]
+    ids = torch.tensor([[rng.randrange(model.config.vocab_size) for _ in range(512)] for _ in range(8)], device=device)
     with torch.no_grad(), engine.autocast(device):
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1)
     previous, out = torch.backends.cuda.matmul.allow_tf32, {}
@@ -278,8 +278,9 @@ def project(decode: dict, training: dict, sizes: ProbeSizes, work: Workload, cfg
             "phase_h": [round(h, 2) for h in hours], "run_h": round(sum(hours), 1)}
 
 
-def probe(cfg, sizes: ProbeSizes) -> dict:
-    """The probe's report: the figures measured on this machine, each stage's memory, the projections."""
+def probe(cfg, sizes: ProbeSizes, run_dir: Path) -> dict:
+    """The probe's report: the figures measured on this machine, each stage's memory, the projections. Each
+    stage's figures are written to RUN_DIR/benchmark.json and printed as soon as they are measured."""
     device = common.pick_device(cfg.device)
     engine.use_tf32_head(device)  # as a run does
     with torch.device(device):  # (random weights initialised where they will live: seconds, not minutes)
@@ -291,10 +292,19 @@ def probe(cfg, sizes: ProbeSizes) -> dict:
     started = time.perf_counter()
     report = {"model": cfg.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": R.transformers.__version__, "sizes": sizes._asdict()}
-    report["decode"] = {sampler: decode_probe(model, tokenizer, cfg, sizes, sampler, rng) for sampler in SAMPLERS}
-    report["head"] = head_probe(model, cfg, sizes, rng)
-    report["training"] = training_probe(model, tokenizer, cfg, sizes, rng)
-    report["memory"] = memory_check(model, cfg, sizes, report["decode"], report["training"])
+
+    def measured(key: str, value) -> None:
+        report[key] = value
+        write_report(report, run_dir)
+        print(f"[probe] {key}: {json.dumps(value)}", flush=True)
+
+    measured("decode", {})
+    for sampler in SAMPLERS:
+        report["decode"][sampler] = decode_probe(model, tokenizer, cfg, sizes, sampler, rng)
+        measured("decode", report["decode"])
+    measured("head", head_probe(model, cfg, sizes, rng))
+    measured("training", training_probe(model, tokenizer, cfg, sizes, rng))
+    measured("memory", memory_check(model, cfg, sizes, report["decode"], report["training"]))
     report["projection"] = {sampler: [project(report["decode"][sampler], report["training"], sizes, work, cfg)
                                       for work in WORKLOADS] for sampler in SAMPLERS}
     report["probe_s"] = round(time.perf_counter() - started, 1)
@@ -483,7 +493,7 @@ def main(argv: Optional[list] = None) -> Path:
         return Path(cfg.run_dir)
     rows = cfg.batch_tasks * cfg.group_size
     sizes = GPU_SIZES._replace(rows=rows) if on_gpu else CPU_SIZES._replace(rows=min(rows, CPU_SIZES.rows))
-    report = probe(cfg, sizes)
+    report = probe(cfg, sizes, Path(cfg.run_dir))
     write_report(report, Path(cfg.run_dir))
     print_probe(report, Path(cfg.run_dir))
     return Path(cfg.run_dir)

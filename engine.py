@@ -55,7 +55,7 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
         sampler = "static" if device.type == "cuda" else "eager"
     if sampler == "static":  # a copy with bf16 Linear weights on a GPU, its attention packed for decode steps
         model = static_sampling_copy(model)
-        sampling.compile_config = transformers.CompileConfig(dynamic=True) if device.type == "cuda" else None
+        sampling.compile_config = compile_config() if device.type == "cuda" else None
     with autocast(device), fp32_output_head(model):
         if sampler == "static":
             input_ids, attention_mask = pad_rows(input_ids, attention_mask, row_bucket(rows, device), pad)
@@ -235,17 +235,28 @@ def kv_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+SHAPES_COMPILED = 64  # decode shapes (row_bucket x cache_length) compiled per sampling copy: torch's default is 8
+
+
+def compile_config() -> transformers.CompileConfig:
+    """How generate compiles the static copy's decode step on a GPU: CUDA graphs ("reduce-overhead") of static
+    shapes, one compile per shape (about 40 s at 1.5B on an H200), kept for the run. Not dynamic=True: a graph
+    with symbolic shapes under CUDA graphs ran for minutes without finishing its first 44 steps on an H200,
+    while each static shape compiled in 36-49 s (docs/cost.md: what was measured)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SHAPES_COMPILED)
+    return transformers.CompileConfig(dynamic=False)
+
+
 def row_bucket(rows: int, device: torch.device) -> int:
-    """The batch a static generate runs at: on a GPU 8, or a multiple of 32 (each new shape costs a CUDA-graph
-    capture, so few shapes; a small batch costs what 8 rows cost); on CPU the rows themselves."""
-    if device.type != "cuda":
-        return rows
-    return 8 if rows <= 8 else -(-rows // 32) * 32
+    """The batch a static generate runs at: on a GPU the next power of two, at least 8 (each new shape costs a
+    compile, so few shapes; a small batch is bound by dispatch, not by its rows); on CPU the rows themselves."""
+    return max(8, 1 << (rows - 1).bit_length()) if device.type == "cuda" else rows
 
 
-def cache_length(needed: int, device: torch.device, step: int = 256) -> int:
-    """The static cache's length: on a GPU `needed` rounded up to a multiple of `step` (few shapes; attention
-    reads the whole length at every step, so not coarser); else `needed`."""
+def cache_length(needed: int, device: torch.device, step: int = 512) -> int:
+    """The static cache's length: on a GPU `needed` rounded up to a multiple of `step` (few shapes; with packed
+    attention a decode step reads 28 kB per cached position at 1.5B, so a coarse step costs little); else
+    `needed`."""
     return -(-needed // step) * step if device.type == "cuda" else needed
 
 

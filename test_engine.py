@@ -312,8 +312,9 @@ def test_packed_decode_attention_equals_attention_over_repeated_keys():
 
 def test_static_shapes_are_few_on_a_gpu_and_exact_on_cpu():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert [engine.row_bucket(n, cuda) for n in (1, 8, 9, 32, 33, 128, 137)] == [8, 8, 32, 32, 64, 128, 160]
-    assert [engine.cache_length(n, cuda) for n in (1, 256, 257, 2560)] == [256, 256, 512, 2560]
+    assert [engine.row_bucket(n, cuda) for n in (1, 8, 9, 32, 33, 128, 137)] == [8, 8, 16, 32, 64, 128, 256]
+    assert [engine.cache_length(n, cuda) for n in (1, 512, 513, 2560)] == [512, 512, 1024, 2560]
+    assert engine.compile_config().dynamic is False and torch._dynamo.config.recompile_limit >= engine.SHAPES_COMPILED
     assert (engine.row_bucket(37, cpu), engine.cache_length(999, cpu)) == (37, 999)
     ids, mask = engine.pad_rows(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 1]]), 3, pad=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 0], [0, 0, 0]] and mask.tolist() == [[0, 1, 1], [0, 0, 1], [0, 0, 1]]

@@ -87,11 +87,11 @@ def test_memory_estimate_knows_the_evaluation_batch_and_the_static_sampler():
     small = memory.estimate_memory_gb(model, R.dataclasses.replace(cfg, eval_batch=64), 1, 1024, cuda)
     assert small["eval_kv_cache"] == 14.95 and small["peak_stage"] == "rollout"
     # the static sampler on a GPU: keys and values in bf16, no extra layer: 128 rows x 5632 positions (a multiple
-    # of 256 already) x 28 layers x 2 KV heads x 128 x 2 (K, V) x 2 B = 20,669,530,112 B = 19.25 GiB; and its
+    # of 512 already) x 28 layers x 2 KV heads x 128 x 2 (K, V) x 2 B = 20,669,530,112 B = 19.25 GiB; and its
     # sampling copy, 2 B per Linear weight + 4 B for the rest = 3.31 GiB, resident
     static = memory.estimate_memory_gb(model, R.dataclasses.replace(cfg, sampler="static"), 1, 1024, cuda)
     assert (static["kv_cache"], static["sampling_copy"]) == (19.25, 3.31)
-    # 100 rows are run as 128 (engine.row_bucket), 6 rows as 8
+    # 100 rows are run as 128 (engine.row_bucket)
     assert memory.estimate_memory_gb(model, R.dataclasses.replace(cfg, sampler="static", eval_batch=100), 1, 1024,
                                      cuda)["eval_kv_cache"] == 19.25
     # auto: static on a GPU, eager on CPU (fp32 keys + bf16 values)
