@@ -4,6 +4,11 @@ fp32 logits), keeps each sampled token's log-prob as the sampler saw it, and pre
 sub-batches so that memory grows with --prefill-batch, not with B*G. retireopd.py's rollout calls it at
 every turn; `autocast` is the precision every model call runs under. A leaf beside the method (nanochat's
 engine.py is the precedent); under torchrun it runs on each process's whole copy of the policy.
+
+Two samplers (--sampler): "eager", the reference, transformers' decode loop over a growing cache; "static",
+a preallocated KV cache (bf16 on a GPU) and a bf16 copy of the policy, whose decode step transformers
+compiles into CUDA graphs on a GPU (one eager step of a 28-layer model dispatches some 2,400 operators from
+Python: measured, 65 ms at 8 rows as at 128 on an H200). On CPU both sample the same tokens.
 """
 
 from __future__ import annotations
@@ -51,14 +56,13 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     recorder = SampledTokenLogprobs()
     rows = len(prompts)
-    if sampler == "auto":
-        sampler = "static" if device.type == "cuda" else "eager"
-    if sampler == "static":  # a copy with bf16 Linear weights on a GPU, its attention packed for decode steps
+    static = sampler == "static" or (sampler == "auto" and device.type == "cuda")
+    if static:  # a copy with bf16 Linear weights on a GPU, its decode attention packed; rows padded to a bucket
         model = static_sampling_copy(model)
-        sampling.compile_config = compile_config() if device.type == "cuda" else None
+        sampling.compile_config = compile_config() if device.type == "cuda" else None  # (CPU: nothing compiled)
+        input_ids, attention_mask = pad_rows(input_ids, attention_mask, row_bucket(rows, device), pad)
     with autocast(device), fp32_output_head(model):
-        if sampler == "static":
-            input_ids, attention_mask = pad_rows(input_ids, attention_mask, row_bucket(rows, device), pad)
+        if static:
             cache = prefill_static_cache(model, input_ids, attention_mask, prefill_batch,
                                          cache_length(width + max_new_tokens, device))
         else:

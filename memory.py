@@ -174,5 +174,5 @@ def print_memory_estimate(policy, cfg, phase: str, n_frozen: int, skill_tokens: 
         available = torch.cuda.get_device_properties(device).total_memory / 2**30
         if memory["total"] > 0.95 * available:
             print(f"[retireopd] WARNING: the estimate exceeds this GPU's {available:.0f} GiB: lower "
-                  "--token-budget, --max-prompt-tokens or --batch-tasks, or set --kl-coef 0")
+                  "--eval-batch, --token-budget, --max-prompt-tokens or --batch-tasks, or set --kl-coef 0")
     return memory

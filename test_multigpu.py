@@ -80,8 +80,18 @@ def test_the_sharded_update_is_the_one_process_update(tmp_path):
     assert one["weights"].keys() == two["weights"].keys()
     start = R.load_policy("tiny", torch.device("cpu"), torch.float32, seed=0)[0].state_dict()
     assert max(float((w - start[k]).abs().max()) for k, w in one["weights"].items()) > 3e-3  # 6 steps of lr 1e-3
-    for key, weight in one["weights"].items():  # the same update: equal up to the order of float sums
-        assert torch.allclose(two["weights"][key], weight, atol=1e-5), key
+    assert_the_same_weights(one["weights"], two["weights"])
+
+
+def assert_the_same_weights(one: dict, two: dict) -> None:
+    """The same update: equal up to the order of float sums. Not the keys' biases: their gradient is zero in
+    exact arithmetic (a bias added to every key shifts every attention score of a query alike, which the
+    softmax ignores), so AdamW turns rounding noise of either sign into steps of about lr (measured: 5e-3
+    after 6 steps, 1.25e-5 apart between 1 and 2 processes on one CPU, within 1e-5 on another)."""
+    compared = [key for key in one if not key.endswith("k_proj.bias")]
+    assert len(compared) == len(one) - 2  # (the tiny model's two layers)
+    for key in compared:
+        assert torch.allclose(two[key], one[key], atol=1e-5), key
 
 
 @pytest.mark.slow
@@ -99,8 +109,7 @@ def test_the_sharded_update_is_the_one_process_update_with_the_authors_aggregati
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for key in ("loss", "pg_loss", "opd_loss", "entropy", "grad_norm", "trained_tokens"):
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
-    for key, weight in one["weights"].items():
-        assert torch.allclose(two["weights"][key], weight, atol=1e-5), key
+    assert_the_same_weights(one["weights"], two["weights"])
     (tmp_path / "exact.py").write_text(SHARDED_UPDATE)  # and the aggregation is not the exact one's
     done = subprocess.run([sys.executable, str(tmp_path / "exact.py"), str(tmp_path / "exact.pt"), here],
                           capture_output=True, text=True, timeout=300)

@@ -90,10 +90,25 @@ def test_the_shipped_base_is_current_with_the_code():
     assert changed != key  # (another number of steps is another base: built in code)
 
 
+def held_out_warm_start_loss(folder: Path) -> float:
+    """The token mean of -log p of warm-start answers (256 examples of every kind, a seed the warm start
+    never uses) under the model saved in `folder`: what the warm start teaches, measured."""
+    model, tok = R.load_policy(str(folder), torch.device("cpu"), torch.float32)
+    prompts, rng = R.prompt_format(), random.Random(12345)
+    examples = [built_in_models.warm_start_example(rng, rng.choice(built_in_models.WARM_START_KINDS),
+                                                   prompts.user_message) for _ in range(256)]
+    prompt_ids = [prompts.encode(tok, message) for message, _ in examples]
+    answers = [tok(answer + tok.eos_token, add_special_tokens=False)["input_ids"] for _, answer in examples]
+    with torch.no_grad():
+        return float(-R.sequence_logprobs(model, prompt_ids, answers, R.Config()).mean())
+
+
 @pytest.mark.slow
 def test_the_shipped_base_is_what_the_code_builds(tmp_path):
-    # the warm start in code, 500 steps from seed 0, against the shipped weights (bf16 on disk; on
-    # another CPU the sums may round otherwise, so a tolerance of a few bf16 steps)
+    # the warm start in code, 500 steps from seed 0, against the shipped weights. Not weight by weight: on
+    # another CPU the sums round otherwise and 500 AdamW steps take another path (on one 2-core machine every
+    # tensor differed by up to 0.33), so by what it teaches: both answer held-out warm-start examples as well
+    # (measured: built 0.026, shipped 0.027 nats per token; the random tiny model 6.89)
     run = R.Run(R.parse_config({"run_dir": str(tmp_path / "run")}))
     built = Path(R.warm_started_tiny_base(run, torch.device("cpu"), 500, shipped=None))
     if os.environ.get("RETIREOPD_WRITE_BASE"):
@@ -101,9 +116,10 @@ def test_the_shipped_base_is_what_the_code_builds(tmp_path):
         shutil.copytree(built, R.SHIPPED_BASE)
     ours, shipped = load_file(built / "model.safetensors"), load_file(R.SHIPPED_BASE / "model.safetensors")
     assert ours.keys() == shipped.keys()
-    for name in ours:
-        assert torch.allclose(ours[name].float(), shipped[name].float(), atol=2e-2, rtol=2e-2), name
+    assert all(ours[name].shape == shipped[name].shape for name in ours)
     same = sum(torch.equal(ours[name], shipped[name]) for name in ours)
     print(f"{same} of {len(ours)} tensors bit-identical to the shipped base")
+    built_loss, shipped_loss = held_out_warm_start_loss(built), held_out_warm_start_loss(R.SHIPPED_BASE)
+    assert built_loss < 0.1 and shipped_loss < 0.1 and abs(built_loss - shipped_loss) < 0.05, (built_loss, shipped_loss)
     assert json.loads((built / "retireopd.json").read_text())["key"] == \
         json.loads((R.SHIPPED_BASE / "retireopd.json").read_text())["key"]
