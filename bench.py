@@ -445,8 +445,8 @@ def benchmark(cfg, repeats: int = 3) -> dict:
 
 
 def write_report(report: dict, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
+    """RUN_DIR/benchmark.json, replaced whole (a new file renamed over it: never written through a link)."""
+    common.write_text_atomically(run_dir / "benchmark.json", json.dumps(common.finite_json(report), indent=2))
 
 
 def print_benchmark(report: dict, run_dir: Path) -> None:

@@ -60,7 +60,8 @@ def holds_a_run(folder: Path) -> bool:
 
 WRITE_TEST = ".retireopd-write-test"
 IN_PLACE = ("metrics.jsonl", "events.jsonl", "eval.jsonl", ".retireopd.lock")  # written without a new file
-FILES = (RUN_IDENTITY, "config.json", "plot.png", "compare.png", WRITE_TEST)  # replaced whole (a temp, a rename)
+FILES = (RUN_IDENTITY, "config.json", "plot.png", "compare.png", "benchmark.json",  # replaced whole (a temp,
+         WRITE_TEST)  # a rename); benchmark.json: bench.py's report
 OWN_FOLDERS = ("checkpoints", "teacher", "student", "tiny_base", "alfworld_fixtures")  # written by this script
 
 
@@ -74,7 +75,7 @@ def run_folder_problem(folder: Path) -> Optional[str]:
     folder = Path(folder)
     if not os.path.isdir(folder):  # (False for a name too long too: the write test says why)
         return None
-    owned = {*RUN_ENTRIES, *RUN_ARTEFACTS, LOCK_FILE, WRITE_TEST, "compare.png"}
+    owned = {*RUN_ENTRIES, *RUN_ARTEFACTS, *FILES, LOCK_FILE}
     entries = [folder / name for name in sorted(os.listdir(folder))
                if name in owned or name.endswith((".tmp", ".corrupt"))]
     try:

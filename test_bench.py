@@ -35,6 +35,23 @@ def test_the_probe_runs_on_cpu_at_toy_sizes_and_reports_every_figure(tmp_path, c
     assert out.count("alfworld upper bound") == len(bench.SAMPLERS)
 
 
+def test_the_report_is_never_written_through_a_link(tmp_path):
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("theirs")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "benchmark.json").symlink_to(outside)
+    with pytest.raises(SystemExit, match="benchmark.json is a link to"):  # refused before anything runs
+        bench.main(["--run-dir", str(run_dir)])
+    (run_dir / "benchmark.json").unlink()
+    bench.write_report({"figure": 1.0}, run_dir)
+    (run_dir / "benchmark.json").unlink()
+    (run_dir / "benchmark.json").symlink_to(outside)  # (planted after the start): replaced, not followed
+    bench.write_report({"figure": float("nan")}, run_dir)
+    assert outside.read_text() == "theirs" and not (run_dir / "benchmark.json").is_symlink()
+    assert json.loads((run_dir / "benchmark.json").read_text()) == {"figure": None}  # no NaN is ever saved
+
+
 def test_the_projection_counts_the_evaluation_batches_and_the_decode_step():
     sizes = bench.GPU_SIZES
     decode = {f"{r}x{w}": {"ms_per_step": ms, "prefill_tokens_per_s": 1e9}

@@ -64,7 +64,9 @@ def test_every_algo_runs_to_completion(tmp_path, algo, env):
     stages = {"grpo": ["start and base model", "phase 2"], "skill-grpo": ["start and base model", "phase 1"]}.get(
         algo, ["start and base model", "phase 1", "phase 2"])
     assert list(events[-1]["stages_s"]) == stages
-    assert sum(events[-1]["stages_s"].values()) == pytest.approx(events[-1]["wall_s"], abs=0.5)
+    # (what follows the last stage, train's gc.collect of this long test process's heap among it, is in none:
+    # 0.5 s of it was seen once on a 2-core machine)
+    assert sum(events[-1]["stages_s"].values()) == pytest.approx(events[-1]["wall_s"], abs=1.0)
 
 
 def test_retireopd_retires_by_the_rule_then_trains_with_grpo_alone(tmp_path, monkeypatch):
