@@ -478,6 +478,8 @@ def main(argv: Optional[list] = None) -> Path:
                         "against plain Hugging Face calls on the same inputs (ratios > 1: ours is faster)")
     args = vars(parser.parse_args(argv))
     versus_plain = args.pop("versus_plain")
+    if problem := checks.path_flag_problem(args):
+        raise SystemExit(f"retireopd: {problem}")
     if multigpu.world_size() > 1:
         raise SystemExit("retireopd: the benchmark runs in one process: start it with python, not torchrun")
     on_gpu = common.pick_device(args.get("device", "auto")).type == "cuda"

@@ -148,12 +148,30 @@ def check_run_folder(run_dir: str, resuming: bool) -> list:
                 (folder / LOCK_FILE).unlink(missing_ok=True)
             raise SystemExit(f"retireopd: {run_dir} holds a run: `--resume {run_dir}` continues it, or choose "
                              "another `--run-dir`")
-        for name in (*RUN_ENTRIES, *RUN_ARTEFACTS):
-            remove_entry(folder / name)
-        print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained "
-              "or saved): cleared, and this run starts there")
+        clear_a_start_that_stopped(folder, run_dir)
+    found = sorted(set(os.listdir(folder)) & set(RUN_ARTEFACTS)) if not resuming else []
+    if found:  # names the run writes, in a folder that holds no run: someone's own (with --run-dir . too)
+        give_back_run_folder(run_dir, missing)
+        if not lock_existed:
+            (folder / LOCK_FILE).unlink(missing_ok=True)
+        raise SystemExit(f"retireopd: --run-dir {run_dir} holds no run but holds {', '.join(found)}, which a run "
+                         "would write over, add to or remove: choose a new or empty --run-dir")
     name_the_holder(folder)
     return missing
+
+
+def clear_a_start_that_stopped(folder: Path, run_dir: str) -> None:
+    """Remove what a run that stopped before its first iteration wrote, and nothing else. Its run.json says
+    `clean_start` (the folder held none of RUN_ARTEFACTS when it started: check_run_folder refuses one that
+    does), so its entries (RUN_ENTRIES, RUN_ARTEFACTS) are all its own. Without it (an older version's
+    run.json), only its logs and settings are removed: whose a tiny_base/ or a tensorboard/ is cannot be told,
+    and the start is then refused, naming them."""
+    clean = json.loads(read_owned_text(folder / RUN_IDENTITY)).get("clean_start") is True
+    removed = [name for name in (*RUN_ENTRIES, *(RUN_ARTEFACTS if clean else ())) if os.path.lexists(folder / name)]
+    for name in removed:
+        remove_entry(folder / name)
+    print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained or saved): "
+          f"cleared (removed what it wrote: {', '.join(removed)})")
 
 
 def give_back_run_folder(run_dir: str, created: list) -> None:
@@ -252,7 +270,7 @@ def run_identity(folder: Path, cfg, inputs: Optional[dict]) -> dict:
         rename_entry(path, path.with_name(RUN_IDENTITY + ".corrupt"), folder)
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
-                "inputs": inputs}
+                "inputs": inputs, "clean_start": True}  # (check_run_folder: none of RUN_ARTEFACTS was there)
     for checkpoint in reversed(checkpoint_folders(folder)):  # the newest whose trainer state names its run
         with contextlib.suppress(Exception):
             identity.update(run_id=str(read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,
@@ -333,6 +351,7 @@ def saved_model_problem(folder: Path) -> Optional[str]:
         if isinstance(configs.get("tokenizer_config.json"), dict) else None
     if not in_config and not (template.is_file() and template.read_text().strip()):
         return "no chat template (chat_template.jinja is missing or empty): the prompts are built with it"
+    stored = {}  # every tensor the weight files hold: its shape
     for path in weights:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -343,10 +362,55 @@ def saved_model_problem(folder: Path) -> Optional[str]:
                 header = None
         try:
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            stored.update({k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"})
         except (AttributeError, KeyError, TypeError, IndexError):  # (a list or a string is no header either)
             return f"{path.name} is cut short (its header is incomplete)"
         if size < 8 + header_size + end:
             return f"{path.name} is cut short ({size} of {8 + header_size + end} bytes)"
+    return weights_problem(folder, stored)
+
+
+def weights_problem(folder: Path, stored: dict) -> Optional[str]:
+    """Why the weights (`stored`: {name: shape}, from the files' headers) are not the whole of the model that
+    config.json describes, or None: a tensor the model has and the files lack (transformers would initialise it
+    at random, in silence), one the model does not have (another architecture's), or one of another shape.
+    The model is built on the meta device from its config (no memory, no weights read); a tied output head is
+    the embedding, stored once."""
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        with torch.device("meta"):
+            expected = {name: tuple(tensor.shape) for name, tensor in transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=False).state_dict().items()}
+    except Exception as error:  # (any: the config is the user's file, and its validators raise their own kinds)
+        return f"its config.json does not describe a causal language model ({type(error).__name__}: " + \
+            (str(error).strip().splitlines() or ["?"])[0][:200] + ")"
+    if getattr(config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+        stored = {name: shape for name, shape in stored.items() if name != "lm_head.weight"}
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    other_shape = sorted(name for name in set(expected) & set(stored) if expected[name] != stored[name])
+    for problem, names in (("lack", missing), ("hold tensors this model does not have:", unexpected),
+                           ("hold tensors of another shape than its config.json's:", other_shape)):
+        if names:
+            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            return (f"its weights {problem} {listed}" + (" (transformers would initialise them at random)"
+                                                         if problem == "lack" else "")
+                    + f": they are not the {config.architectures[0] if config.architectures else 'model'} its "
+                    "config.json describes")
+    return None
+
+
+def non_finite_weights(folder: Path) -> Optional[str]:
+    """Which weight of a model folder holds a NaN or an infinity, or None (every tensor read, one at a time: a
+    run never saves such weights, so a checkpoint that holds one was damaged after it was written)."""
+    from safetensors import safe_open
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as weights:
+            for name in weights.keys():
+                tensor = weights.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    return f"its weight {name} holds NaN or infinite values"
     return None
 
 
@@ -421,7 +485,7 @@ def first_resumable_checkpoint(run_dir: Path, run_id: str) -> tuple[Optional[Pat
     file cut short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a note, and
     the one before it is tried."""
     for folder in reversed(checkpoint_folders(run_dir)):
-        problem, state = saved_model_problem(folder), None
+        problem, state = saved_model_problem(folder) or non_finite_weights(folder), None
         if problem is None:
             try:
                 state = read_trainer_state(folder)
@@ -738,6 +802,28 @@ def restored_config(run_dir: Path, how: str) -> dict:
             return saved
     raise SystemExit(f"retireopd: --resume {run_dir}: " + ("no config.json there (not a run folder)" if how == "missing"
                      else "its config.json is damaged (not JSON), and no checkpoint holds a copy"))
+
+
+PATH_FLAGS = ("resume", "plot", "compare", "run_dir", "model", "teacher", "alfworld_data", "webshop_data")
+
+
+def path_flag_problem(args: dict) -> Optional[str]:
+    """Why the command line's paths cannot be what was meant, or None: an empty path (`--resume "$RUN"` with
+    RUN unset would otherwise start a new run, `--run-dir ""` run in the current folder), a file given to
+    --resume, or --run-dir beside --resume naming another folder (a run resumes in its own)."""
+    for name in PATH_FLAGS:
+        values = args.get(name)
+        if any(value == "" for value in (values if isinstance(values, list) else [values])):
+            return (f"--{name.replace('_', '-')} \"\": an empty path (an unset shell variable?): give the folder, or "
+                    "leave the flag out")
+    resume = args.get("resume")
+    if resume is not None and os.path.lexists(resume) and not os.path.isdir(resume):
+        return f"--resume {resume} is a file: give the run's folder (the one that holds its config.json)"
+    if resume is not None and args.get("run_dir") is not None and \
+            os.path.abspath(args["run_dir"]) != os.path.abspath(resume):
+        return (f"--resume {resume} continues the run in its own folder: drop --run-dir {args['run_dir']} (a run is "
+                "never moved to another)")
+    return None
 
 
 MIN_PROMPT_TOKENS = 128  # the shortest first prompt, the kitchen's with the tiny tokenizer, has 103 tokens

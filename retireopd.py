@@ -1418,12 +1418,18 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
         try:  # never a pickle, never code from the model's folder (checks.saved_model_problem refuses auto_map)
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only,
                                                                    trust_remote_code=False)
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
-                                                                      use_safetensors=True, trust_remote_code=False)
+            model, loaded = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=cached_only, use_safetensors=True, trust_remote_code=False,
+                output_loading_info=True)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as error:
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
             raise SystemExit(f"retireopd: {name} does not load as a model and tokenizer ({type(error).__name__}: "
                              f"{reason})") from None
+        if not_loaded := sorted(key for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                                for key in map(str, loaded.get(kind) or ())):  # (a model loads whole or not at all)
+            raise SystemExit(f"retireopd: {name}: its weights are not the whole model its config.json describes "
+                             f"({', '.join(not_loaded[:3])}{' ...' if len(not_loaded) > 3 else ''} missing, unexpected "
+                             "or of another shape): transformers would have initialised them at random")
     if bad := non_finite_tensors(model.parameters()):
         raise SystemExit(f"retireopd: {name}: {bad} of the model's weight tensors hold NaN or infinite values: "
                          "not a usable model")
@@ -1822,6 +1828,8 @@ def show_prompts(cfg: Config) -> None:
 
 def main(argv: Optional[list] = None) -> Optional[Path]:
     args = vars(build_parser().parse_args(argv))
+    if problem := checks.path_flag_problem(args):  # an empty path (an unset variable), a file to resume ...
+        raise SystemExit(f"retireopd: {problem}")
     resume_dir, plot_dir, compare = args.pop("resume"), args.pop("plot"), args.pop("compare")
     if plot_dir or compare:
         try:

@@ -6,6 +6,7 @@ one line."""
 import pytest
 
 import retireopd as R
+from conftest import one_line_refusal
 
 
 def test_the_bare_command_is_the_offline_demo_and_a_real_model_gets_the_papers_protocol(tmp_path):
@@ -37,3 +38,25 @@ def test_show_prompts_says_a_data_problem_in_one_line(tmp_path):
                 "--run-dir", str(tmp_path / "run")])
     assert str(stop.value).startswith("retireopd: WebShop data folder") and "\n" not in str(stop.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--resume", ""], '--resume "": an empty path'),
+    (["--plot", ""], '--plot "": an empty path'),
+    (["--compare", "runs/a", ""], '--compare "": an empty path'),
+    (["--run-dir", ""], '--run-dir "": an empty path'),
+    (["--teacher", ""], '--teacher "": an empty path'),
+    (["--webshop-data", ""], '--webshop-data "": an empty path'),
+])
+def test_an_empty_path_is_refused_in_one_line_and_starts_nothing(tmp_path, monkeypatch, flags, match):
+    monkeypatch.chdir(tmp_path)  # (before: --resume "" and --plot "" started the demo here, --run-dir "" ran here)
+    one_line_refusal(flags, match)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_given_a_file_or_another_run_dir_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    one_line_refusal(["--resume", str(tmp_path / "config.json")], "is a file: give the run's folder")
+    one_line_refusal(["--resume", str(tmp_path), "--run-dir", str(tmp_path / "other")],
+                     "continues the run in its own folder: drop --run-dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]

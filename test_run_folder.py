@@ -440,6 +440,25 @@ def test_a_trainer_pt_that_would_run_code_is_set_aside_and_nothing_of_it_runs(tm
     assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
 
 
+@pytest.mark.parametrize("damage", ["a tensor missing", "a NaN"])
+def test_a_checkpoint_lacking_a_tensor_or_holding_a_nan_is_set_aside_and_the_one_before_used(
+        tmp_path, monkeypatch, capsys, damage):
+    from safetensors.torch import load_file, save_file
+    run_dir = interrupted_run(tmp_path, monkeypatch, "r")
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    weights = load_file(newest / "model.safetensors")
+    if damage == "a tensor missing":  # before: resumed with that tensor initialised at random
+        weights.pop("model.layers.0.self_attn.k_proj.weight")
+    else:  # before: refused at every --resume, never set aside
+        weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, newest / "model.safetensors", metadata={"format": "pt"})
+    R.main(["--resume", str(run_dir)])
+    assert newest.with_name(newest.name + ".corrupt").is_dir()
+    assert ("its weights lack model.layers.0.self_attn.k_proj.weight" if damage == "a tensor missing" else
+            "its weight model.norm.weight holds NaN or infinite values") in capsys.readouterr().out
+    assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
+
+
 def test_a_trainer_state_must_hold_what_a_checkpoint_writes():
     whole = {key: 0 for key in checks.TRAINER_STATE_KEYS} | {"phase": "student", "optimizer": {}, "val_successes": []}
     assert checks.trainer_state_problem(whole) is None
@@ -623,6 +642,85 @@ def test_a_teacher_with_another_vocabulary_is_refused_and_the_corrected_command_
     assert "stopped before its first iteration (nothing trained or saved): cleared" in capsys.readouterr().out
     assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
     assert [e["event"] for e in R.read_jsonl(run_dir / "events.jsonl")].count("start") <= 1
+
+
+def test_a_folder_with_the_names_a_run_writes_is_refused_and_clearing_removes_only_what_the_run_wrote(
+        tmp_path, capsys):
+    """A user's own wandb/, tensorboard/, plot.png or tiny_base/ (the project's own, with --run-dir .) are never
+    written over, added to or removed: a start there is refused in one line that names them. A start that
+    stopped before its first iteration is cleared of what it wrote (its run.json says it started clean);
+    an older version's run.json keeps its artefacts, whose they are cannot be told, and names them."""
+    run_dir = tmp_path / "r"
+    theirs = {"wandb/run-1/files.txt": "a wandb run", "tensorboard/events.out": "curves", "plot.png": "a picture",
+              "tiny_base/notes.txt": "the user's own base"}
+    for name, text in theirs.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    (run_dir / "README.md").write_text("their notes")
+    one_line_refusal(QUICK + [*GRPO, "--run-dir", str(run_dir)], "holds no run but holds plot.png, tensorboard, "
+                     "tiny_base, wandb, which a run would write over, add to or remove")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["README.md", "plot.png", "tensorboard", "tiny_base", "wandb"]
+    for name, text in theirs.items():
+        assert (run_dir / name).read_text() == text, name
+    # a start that fails after run.json is written, in a folder that holds only the user's README: cleared
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    (clean / "README.md").write_text("their notes")
+    teacher = save_teacher(tmp_path / "big", vocab_extra=64)
+    one_line_refusal(QUICK + ["--env", "webshop", "--algo", "opd", "--teacher", str(teacher), "--run-dir", str(clean)],
+                     "a teacher must be trained")
+    assert json.loads((clean / "run.json").read_text())["clean_start"] is True
+    (clean / "tensorboard").mkdir()  # (as if its tracker had started)
+    capsys.readouterr()
+    R.main(QUICK + [*GRPO, "--run-dir", str(clean)])
+    assert "cleared (removed what it wrote: run.json, config.json, tensorboard)" in capsys.readouterr().out
+    assert (clean / "README.md").read_text() == "their notes" and not (clean / "tensorboard").exists()
+    # an older version's run.json (no clean_start): its logs cleared, the artefacts kept and named
+    old = tmp_path / "old"
+    one_line_refusal(QUICK + ["--env", "webshop", "--algo", "opd", "--teacher", str(teacher), "--run-dir", str(old)],
+                     "a teacher must be trained")
+    identity = json.loads((old / "run.json").read_text())
+    del identity["clean_start"]
+    (old / "run.json").write_text(json.dumps(identity))
+    (old / "wandb").mkdir()
+    (old / "wandb" / "theirs.txt").write_text("kept")
+    one_line_refusal(QUICK + [*GRPO, "--run-dir", str(old)], "holds no run but holds wandb")
+    assert (old / "wandb" / "theirs.txt").read_text() == "kept" and not (old / "run.json").exists()
+
+
+def test_a_model_loads_whole_or_not_at_all(tmp_path, capsys):
+    """Weights that lack a tensor, hold another architecture's, or another shape's: refused in one line for a
+    --model folder and a teacher, set aside for a checkpoint (transformers would initialise them at random)."""
+    from safetensors.torch import load_file, save_file
+    model, tok = R.load_policy("tiny", torch.device("cpu"), torch.float32)
+
+    def saved(name, edit):
+        folder = tmp_path / name
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        weights = load_file(folder / "model.safetensors")
+        edit(weights)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder
+
+    lacking = saved("lacking", lambda w: w.pop("model.layers.1.self_attn.q_proj.weight"))
+    assert "its weights lack model.layers.1.self_attn.q_proj.weight" in checks.saved_model_problem(lacking)
+    extra = saved("extra", lambda w: w.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(2, 2)}))
+    assert "hold tensors this model does not have: model.layers.2.mlp.up_proj.weight" in \
+        checks.saved_model_problem(extra)
+    wrong = saved("wrong", lambda w: w.update({"model.norm.weight": torch.ones(3)}))
+    assert "of another shape than its config.json's: model.norm.weight" in checks.saved_model_problem(wrong)
+    config = json.loads((saved("other", lambda w: None) / "config.json").read_text())  # another architecture
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3,
+                                                                "layer_types": ["full_attention"] * 3}))
+    assert "its weights lack model.layers.2." in checks.saved_model_problem(tmp_path / "other")
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))  # (invalid)
+    assert "its config.json does not describe a causal language model" in checks.saved_model_problem(tmp_path / "other")
+    one_line_refusal(QUICK + [*GRPO, "--model", str(lacking), "--run-dir", str(tmp_path / "r")],
+                     "its weights lack model.layers.1.self_attn.q_proj.weight")
+    with pytest.raises(SystemExit, match="not the whole model its config.json describes"):  # (the load's own check)
+        R.load_policy(str(lacking), torch.device("cpu"), torch.float32)
+    assert R.load_policy(str(saved("whole", lambda w: None)), torch.device("cpu"), torch.float32)[0] is not None
 
 
 def test_a_failed_start_before_the_run_leaves_no_folder(tmp_path):
