@@ -747,7 +747,8 @@ def open_task_suite(cfg, created: list = ()) -> TaskSuite:
     except (FileNotFoundError, ValueError) as error:
         give_back_run_folder(cfg.run_dir, list(created))
         raise SystemExit(f"retireopd: {error}") from None
-    except (OSError, KeyError, TypeError, AttributeError, IndexError) as error:  # a file of the wrong shape
+    except (OSError, KeyError, TypeError, AttributeError, IndexError, ArithmeticError,
+            RecursionError) as error:  # a file of the wrong shape (nested deeper than any: RecursionError)
         give_back_run_folder(cfg.run_dir, list(created))
         raise SystemExit(f"retireopd: the {cfg.env} data in {data} is malformed ({type(error).__name__}: {error}): "
                          "a file lacks a field or has another shape than the benchmark's") from None
@@ -761,10 +762,11 @@ def open_task_suite(cfg, created: list = ()) -> TaskSuite:
     return suite
 
 
-def saved_settings(run_dir: str, given: dict, known: set) -> dict:
-    """The settings of the run being resumed, from RUN_DIR/config.json (`known`: the Config's fields), with
-    the flags given on the command line that only change how it runs; a flag that contradicts the run,
-    and a config.json that is missing, damaged or another version's, are one-line errors."""
+def saved_settings(run_dir: str, given: dict, known: dict) -> dict:
+    """The settings of the run being resumed, from RUN_DIR/config.json (`known`: the Config's fields and their
+    types, as written), with the flags given on the command line that only change how it runs; a flag that
+    contradicts the run, and a config.json that is missing, damaged (a value of another type, a setting that
+    defines the run missing) or another version's, are one-line errors."""
     if problem := run_folder_problem(Path(run_dir)):  # before anything of it is read
         raise SystemExit(f"retireopd: {problem}")
     saved_file = Path(run_dir) / "config.json"
@@ -772,11 +774,14 @@ def saved_settings(run_dir: str, given: dict, known: set) -> dict:
         saved = json.loads(read_owned_text(saved_file))
     except (FileNotFoundError, ValueError) as error:
         saved = restored_config(Path(run_dir), "missing" if isinstance(error, FileNotFoundError) else "damaged")
-    if not isinstance(saved, dict) or set(saved) - known:
-        unknown = sorted(set(saved) - known) if isinstance(saved, dict) else []
+    if not isinstance(saved, dict) or set(saved) - set(known):
+        unknown = sorted(set(saved) - set(known)) if isinstance(saved, dict) else []
         raise SystemExit(f"retireopd: --resume {run_dir}: its config.json " + (
             f"has settings this version of retireopd.py does not know ({', '.join(unknown)}): it was written by "
             "another version; resume it with that one" if unknown else "is not a settings object (damaged)"))
+    if problem := settings_type_problem(saved, known):
+        raise SystemExit(f"retireopd: --resume {run_dir}: its config.json is damaged ({problem}); restore it from a "
+                         "checkpoint's copy (checkpoints/*/retireopd.json) or start a new run")
     # how the run is executed, not what it computes (--prefill-batch changes only rounding: lower it
     # to resume a run that ran out of memory in a rollout; the checkpoints' cadence, after a full
     # disk); and S_T, for a run that stopped at S_T = 0
@@ -788,6 +793,26 @@ def saved_settings(run_dir: str, given: dict, known: set) -> dict:
         raise SystemExit("retireopd: --resume continues a run with its own config; drop "
                          + ", ".join(clashes) + " or start a new run")
     return {**saved, **{k: given[k] for k in free if k in given}, "run_dir": run_dir}
+
+
+RUN_DEFINING_SETTINGS = ("model", "algo", "env")  # a config.json without one of these is not a run's
+
+
+def settings_type_problem(saved: dict, types: dict) -> Optional[str]:
+    """Why saved settings cannot be a Config's, or None: a setting that defines the run is missing, or a value
+    is not of its field's type (`types`: {field: its annotation, as written: "int", "Optional[float]" ...})."""
+    if missing := [name for name in RUN_DEFINING_SETTINGS if name not in saved]:
+        return f"it lacks {', '.join(missing)}"
+    kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    for name, value in saved.items():
+        annotation = str(types[name])
+        optional = annotation.startswith("Optional[")
+        allowed = kinds.get(annotation.removeprefix("Optional[").rstrip("]"))
+        if allowed is None or (value is None and optional) or name == "retire_at" and value == "half":
+            continue
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            return f"{name} is {value!r}, not {annotation.removeprefix('Optional[').rstrip(']')}"
+    return None
 
 
 def restored_config(run_dir: Path, how: str) -> dict:
@@ -825,6 +850,9 @@ def path_flag_problem(args: dict) -> Optional[str]:
                 "never moved to another)")
     return None
 
+
+MIN_TEMPERATURE = 1e-3  # below it fp32 logits / T overflow for logits of a few hundred: the sampler fails
+MAX_ENV_WORKERS = 64
 
 MIN_PROMPT_TOKENS = 128  # the shortest first prompt, the kitchen's with the tiny tokenizer, has 103 tokens
 
@@ -873,8 +901,15 @@ def validate_config(cfg, algorithms: dict, notes: bool = True) -> None:
     for name in ("clip_eps", "grad_clip", "success_reward"):
         if getattr(cfg, name) <= 0:
             problems.append(f"--{name.replace('_', '-')} must be > 0")
-    if cfg.eval_temperature < 0:
-        problems.append("--eval-temperature must be >= 0 (0: greedy)")
+    if cfg.eval_temperature < 0 or 0 < cfg.eval_temperature < MIN_TEMPERATURE:
+        problems.append(f"--eval-temperature {cfg.eval_temperature}: 0 (greedy) or at least {MIN_TEMPERATURE} (below "
+                        "it the logits divided by it overflow, and nothing can be sampled)")
+    if cfg.lr_warmup_steps < 0:
+        problems.append("--lr-warmup-steps must be >= 0 (0: no warm-up)")
+    if cfg.warm_start < 0:
+        problems.append("--warm-start must be >= 0 (0: the random tiny model)")
+    if notes and cfg.teacher_iterations is not None and cfg.algo == "grpo":
+        print("[retireopd] note: --teacher-iterations sets phase 1, which --algo grpo does not run")
     if cfg.sampler not in ("eager", "static", "auto"):
         problems.append("--sampler: eager, static or auto (static on a GPU, eager on CPU)")
     if cfg.eval_batch < 1:
@@ -921,8 +956,9 @@ def validate_config(cfg, algorithms: dict, notes: bool = True) -> None:
         problems.append(f"--teacher {problem}")
     if cfg.webshop_reward not in ("faithful", "fixed"):
         problems.append("--webshop-reward: faithful or fixed")
-    if cfg.env_workers < 0:
-        problems.append("--env-workers must be >= 0 (0: step ALFWorld in this process)")
+    if not 0 <= cfg.env_workers <= MAX_ENV_WORKERS:
+        problems.append(f"--env-workers must be between 0 (step ALFWorld in this process) and {MAX_ENV_WORKERS} (each "
+                        "worker is a process of about 260 MB)")
     elif notes and cfg.env_workers and cfg.env != "alfworld":
         print(f"[retireopd] note: --env-workers is for ALFWorld; {cfg.env} steps in this process")
     if cfg.frozen_dtype not in ("float32", "bfloat16"):

@@ -58,16 +58,25 @@ def read_owned_text(path: Path) -> str:
         return f.read().decode(errors="replace")
 
 
+RECORD_KEYS = {"metrics.jsonl": ("phase", "iteration"), "events.jsonl": ("event",), "eval.jsonl": ("phase",)}
+
+
+def not_a_number(constant: str):
+    raise ValueError(f"{constant} is not a value a run writes")  # (json.loads would accept NaN and Infinity)
+
+
 def read_jsonl(path: Path, note: bool = False) -> list:
     """The records of a jsonl log ([] without the file). A last line cut short (a crash or a full
     disk while it was written) is dropped, with a note when `note`; a damaged line before the
-    last is an error."""
+    last is an error. A line that is JSON but not one of the log's records (not an object, without the
+    keys RECORD_KEYS names, or holding NaN, which a run never writes) is skipped, with a note when `note`:
+    a resume rewrites the log without it, and a lost iteration is reported as a hole (log_holes)."""
     path = Path(path)
     lines = read_owned_text(path).splitlines() if os.path.lexists(path) else []
-    records = []
+    records, skipped = [], []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line, parse_constant=not_a_number)
         except json.JSONDecodeError:
             if number < len(lines):
                 raise SystemExit(f"retireopd: {path} line {number} is not JSON: the log is damaged before its last "
@@ -75,6 +84,16 @@ def read_jsonl(path: Path, note: bool = False) -> list:
             if note:
                 print(f"[retireopd] note: the last line of {path} was cut short (a crash while it was written): "
                       "dropped")
+            continue
+        except (ValueError, RecursionError):  # NaN or Infinity; nested deeper than a record ever is
+            record = None
+        if isinstance(record, dict) and all(key in record for key in RECORD_KEYS.get(path.name, ())):
+            records.append(record)
+        else:
+            skipped.append(number)
+    if skipped and note:
+        print(f"[retireopd] note: {path} line(s) {', '.join(map(str, skipped[:6]))}{' ...' if len(skipped) > 6 else ''} "
+              "are not records of this log (damaged): skipped, and left out when it is rewritten")
     return records
 
 

@@ -763,8 +763,9 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     samples, _, record = rollout(sampler, tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
                                  skills_in_prompt=skills_in_prompt, with_teacher_prompts=teacher is not None,
                                  temperature=cfg.temperature, desc=desc)
-    if not samples:
-        raise RuntimeError("no turn-samples were produced: every episode failed at reset")
+    if not samples:  # (every game of the iteration failed to load: the data is broken, not the run)
+        raise SystemExit(f"retireopd: every episode of an iteration ({len(tasks)} tasks x {cfg.group_size}) failed to "
+                         "start: the training split is broken (check --alfworld-data / --webshop-data)")
     # GRPO advantages: each turn's r_{i,t} normalised within its group, repeated over its tokens
     advantages = None
     if grpo_loss:
@@ -1796,7 +1797,7 @@ def parse_config(given: dict) -> Config:
 
 def resume_config(run_dir: str, given: dict) -> Config:
     """The Config of the run being resumed (checks.saved_settings: flags that contradict it are an error)."""
-    cfg = Config(**checks.saved_settings(run_dir, given, {f.name for f in dataclasses.fields(Config)}))
+    cfg = Config(**checks.saved_settings(run_dir, given, {f.name: f.type for f in dataclasses.fields(Config)}))
     checks.validate_config(cfg, ALGORITHMS, notes=False)
     return cfg
 

@@ -226,7 +226,14 @@ def test_contradictory_flags_are_refused_and_unused_ones_noted(tmp_path, capsys)
     (["--max-prompt-tokens", "1"], "--max-prompt-tokens must be >= 128"),
     (["--mini-batch", "0"], "--mini-batch must be >= 1"),
     (["--seed", str(2**70)], "--seed must be in \\[0, 2\\*\\*32\\)"),  # before: torch's ValueError, a traceback
-    (["--seed", "-1"], "--seed must be in")])
+    (["--seed", "-1"], "--seed must be in"),
+    # accepted in silence once: a warm-up that never ends, the random tiny model trained, a worker each 260 MB
+    (["--lr-warmup-steps", "-5"], "--lr-warmup-steps must be >= 0"),
+    (["--warm-start", "-3"], "--warm-start must be >= 0"),
+    (["--env-workers", "100000"], "--env-workers must be between 0"),
+    (["--eval-temperature", "1e-45"], "--eval-temperature 1e-45: 0 \\(greedy\\) or at least 0.001"),  # (a crash)
+    (["--sampler", "vllm"], "--sampler: eager, static or auto"),
+    (["--eval-batch", "0"], "--eval-batch must be >= 1")])
 def test_budgets_and_the_seed_are_checked_in_one_line(tmp_path, flags, message):
     one_line_refusal(["--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags], message)
     assert not (tmp_path / "x").exists()

@@ -203,11 +203,27 @@ def test_resume_sets_damaged_checkpoints_aside_and_drops_a_cut_last_log_line(tmp
 
 def test_read_jsonl_drops_only_a_cut_last_line(tmp_path):
     log = tmp_path / "metrics.jsonl"
-    log.write_text('{"iteration": 0}\n{"iteration": 1}\n{"itera')
-    assert R.read_jsonl(log) == [{"iteration": 0}, {"iteration": 1}]
-    log.write_text('{"iteration": 0}\n{"itera\n{"iteration": 2}\n')  # damaged before the last line: not guessed at
+    line = lambda k: f'{{"phase": "student", "iteration": {k}}}\n'  # noqa: E731
+    log.write_text(line(0) + line(1) + '{"itera')
+    assert R.read_jsonl(log) == [{"phase": "student", "iteration": k} for k in (0, 1)]
+    log.write_text(line(0) + '{"itera\n' + line(2))  # damaged before the last line: not guessed at
     with pytest.raises(SystemExit, match="line 2 is not JSON"):
         R.read_jsonl(log)
+
+
+def test_read_jsonl_skips_lines_that_are_json_but_not_records_of_the_log(tmp_path, capsys):
+    # before: a list, a line without its keys, a NaN and JSON nested 200,000 deep ended in tracebacks (or the NaN
+    # was written back on a resume); each is now skipped with a note, and a resume rewrites the log without it
+    log = tmp_path / "metrics.jsonl"
+    good = '{"phase": "student", "iteration": 0}\n'
+    log.write_text(good + '[1, 2]\n{"iteration": 1}\n{"phase": "student", "iteration": 2, "loss": NaN}\n'
+                   + "[" * 200_000 + "]" * 200_000 + "\n" + good)
+    assert R.read_jsonl(log, note=True) == [{"phase": "student", "iteration": 0}] * 2
+    assert "line(s) 2, 3, 4, 5 are not records of this log (damaged): skipped" in capsys.readouterr().out
+    (tmp_path / "events.jsonl").write_text('{"no_event": 1}\n{"event": "start"}\n')
+    assert R.read_jsonl(tmp_path / "events.jsonl") == [{"event": "start"}]
+    (tmp_path / "eval.jsonl").write_text('{"panel": "report"}\n')
+    assert R.read_jsonl(tmp_path / "eval.jsonl") == []
 
 
 def test_saved_model_problem_finds_a_half_written_safetensors_file(tiny, tmp_path):
@@ -459,6 +475,20 @@ def test_a_checkpoint_lacking_a_tensor_or_holding_a_nan_is_set_aside_and_the_one
     assert phases(R.read_jsonl(run_dir / "metrics.jsonl")) == [("student", k) for k in range(3)]
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(iterations="3"), "iterations is '3', not int"),  # before: a TypeError traceback
+    (lambda c: c.pop("env"), "it lacks env"),  # before: blamed on the data folder
+    (lambda c: c.update(gradient_checkpointing=1), "gradient_checkpointing is 1, not bool"),
+    (lambda c: c.update(lr=True), "lr is True, not float")])
+def test_a_config_json_with_a_value_of_another_type_or_without_its_env_is_one_line(tmp_path, monkeypatch, edit,
+                                                                                     message):
+    run_dir = interrupted_run(tmp_path, monkeypatch, "r")
+    config = json.loads((run_dir / "config.json").read_text())
+    edit(config)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    one_line_refusal(["--resume", str(run_dir)], f"its config.json is damaged \\({message}\\)")
+
+
 def test_a_trainer_state_must_hold_what_a_checkpoint_writes():
     whole = {key: 0 for key in checks.TRAINER_STATE_KEYS} | {"phase": "student", "optimizer": {}, "val_successes": []}
     assert checks.trainer_state_problem(whole) is None
@@ -627,6 +657,16 @@ def test_a_game_whose_reset_fails_is_counted_never_trained_on_and_a_broken_panel
     with pytest.raises(SystemExit, match="every episode of the validation \\(6 tasks\\) failed to start, the first "
                                          "with reset: ValueError: broken game: the data is broken"):
         R.evaluate(model, tok, suite, sorted(broken), cfg, skills_in_prompt=False, desc="validation")
+
+
+def test_a_training_split_whose_every_game_fails_at_reset_is_one_line(tmp_path, monkeypatch):
+    real_reset = kitchen_env.KitchenEnv.reset
+    monkeypatch.setattr(kitchen_env.KitchenEnv, "reset", lambda self: (  # (what AlfWorldEnv returns for a bad game)
+        "", {**real_reset(self)[1], "task": "", "error": "ValueError: broken game"}) if self.task % 1000 < 100
+        else real_reset(self))  # (training variants 0-99; the panels' are whole)
+    # before: RuntimeError: no turn-samples were produced, a traceback
+    one_line_refusal(QUICK + [*GRPO, "--env", "kitchen", "--run-dir", str(tmp_path / "r")],
+                     "every episode of an iteration \\(1 tasks x 2\\) failed to start: the training split is broken")
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_and_the_corrected_command_takes_the_folder(tmp_path, capsys):

@@ -18,6 +18,8 @@ from unittest import mock
 
 import pytest
 
+import checks
+import retireopd as R
 import webshop_env as W
 
 HERE = Path(__file__).resolve().parent
@@ -256,6 +258,22 @@ def test_missing_or_malformed_data_folder_is_a_clear_error(tmp_path, monkeypatch
         W.WebShop(tmp_path)
     with pytest.raises(ValueError, match="reward_mode"):
         W.WebShop(None, reward_mode="lenient")
+
+
+def test_a_price_that_is_not_a_number_and_json_nested_too_deep_are_one_line(tmp_path):
+    raw, attributes = W.builtin_catalogue()
+    raw[0]["pricing"] = "$N/A"  # before: decimal.InvalidOperation, a traceback
+    (tmp_path / W.PRODUCTS_FILE).write_text(json.dumps(raw))
+    (tmp_path / W.ATTRIBUTES_FILE).write_text(json.dumps(attributes))
+    cfg = R.parse_config({"model": "tiny", "env": "webshop", "webshop_data": str(tmp_path),
+                          "run_dir": str(tmp_path / "run")})
+    with pytest.raises(SystemExit, match="holds a price that is not a number") as stop:
+        checks.open_task_suite(cfg)
+    assert "\n" not in str(stop.value)
+    (tmp_path / W.PRODUCTS_FILE).write_text("[" * 200_000 + "]" * 200_000)  # before: RecursionError
+    with pytest.raises(SystemExit, match="retireopd: ") as stop:
+        checks.open_task_suite(cfg)
+    assert "\n" not in str(stop.value)
 
 
 def test_data_folder_round_trip(tmp_path, shop):

@@ -246,8 +246,10 @@ def parse_pricing(pricing_text):
     """Price list and price tag as the original: "$1,847.00$2.5" -> [1847.0, 2.5]."""
     if not pricing_text:
         return [100.0], "$100.0"    # quirk: a missing price is shown as $100.0
-    prices = [float(Decimal(re.sub(r"[^\d.]", "", part)))
-              for part in pricing_text.split("$")[1:]]
+    try:
+        prices = [float(Decimal(re.sub(r"[^\d.]", "", part))) for part in pricing_text.split("$")[1:]]
+    except ArithmeticError:  # (decimal.InvalidOperation: "$N/A")
+        raise ValueError(f"a product's pricing {pricing_text[:60]!r} holds a price that is not a number") from None
     if len(prices) == 1:
         return prices, f"${prices[0]}"
     return prices[:2], f"${prices[0]} to ${prices[1]}"
