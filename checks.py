@@ -150,24 +150,34 @@ def check_run_folder(run_dir: str, resuming: bool) -> list:
                              "another `--run-dir`")
         clear_a_start_that_stopped(folder, run_dir)
     found = sorted(set(os.listdir(folder)) & set(RUN_ARTEFACTS)) if not resuming else []
-    if found:  # names the run writes, in a folder that holds no run: someone's own (with --run-dir . too)
+    # a demo base this script wrote may be put there beforehand (study.py does): it is used, never removed
+    kept = [name for name in found if name == "tiny_base" and (folder / name / "retireopd.json").is_file()]
+    if refused := [name for name in found if name not in kept]:  # names the run writes, in a folder holding no run
         give_back_run_folder(run_dir, missing)
         if not lock_existed:
             (folder / LOCK_FILE).unlink(missing_ok=True)
-        raise SystemExit(f"retireopd: --run-dir {run_dir} holds no run but holds {', '.join(found)}, which a run "
+        raise SystemExit(f"retireopd: --run-dir {run_dir} holds no run but holds {', '.join(refused)}, which a run "
                          "would write over, add to or remove: choose a new or empty --run-dir")
+    if not resuming:
+        FOUND_AT_START[str(folder.resolve())] = kept
     name_the_holder(folder)
     return missing
 
 
+FOUND_AT_START: dict = {}  # run folder -> what of RUN_ARTEFACTS it held when this process took it (run.json keeps it)
+
+
 def clear_a_start_that_stopped(folder: Path, run_dir: str) -> None:
     """Remove what a run that stopped before its first iteration wrote, and nothing else. Its run.json says
-    `clean_start` (the folder held none of RUN_ARTEFACTS when it started: check_run_folder refuses one that
-    does), so its entries (RUN_ENTRIES, RUN_ARTEFACTS) are all its own. Without it (an older version's
+    `clean_start` (the folder held none of RUN_ARTEFACTS when it started but what `found_at_start` lists, a
+    demo base put there: check_run_folder refuses the rest), so its other entries (RUN_ENTRIES,
+    RUN_ARTEFACTS) are all its own. Without it (an older version's
     run.json), only its logs and settings are removed: whose a tiny_base/ or a tensorboard/ is cannot be told,
     and the start is then refused, naming them."""
-    clean = json.loads(read_owned_text(folder / RUN_IDENTITY)).get("clean_start") is True
-    removed = [name for name in (*RUN_ENTRIES, *(RUN_ARTEFACTS if clean else ())) if os.path.lexists(folder / name)]
+    identity = json.loads(read_owned_text(folder / RUN_IDENTITY))
+    clean, found = identity.get("clean_start") is True, identity.get("found_at_start") or []
+    removed = [name for name in (*RUN_ENTRIES, *(RUN_ARTEFACTS if clean else ()))
+               if name not in found and os.path.lexists(folder / name)]
     for name in removed:
         remove_entry(folder / name)
     print(f"[retireopd] note: {run_dir} held a run that stopped before its first iteration (nothing trained or saved): "
@@ -270,7 +280,8 @@ def run_identity(folder: Path, cfg, inputs: Optional[dict]) -> dict:
         rename_entry(path, path.with_name(RUN_IDENTITY + ".corrupt"), folder)
     identity = {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(4).hex()}",
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "algo": cfg.algo, "env": cfg.env, "model": cfg.model,
-                "inputs": inputs, "clean_start": True}  # (check_run_folder: none of RUN_ARTEFACTS was there)
+                "inputs": inputs, "clean_start": True,  # (check_run_folder: of RUN_ARTEFACTS, only these were there)
+                "found_at_start": FOUND_AT_START.get(str(folder.resolve()), [])}
     for checkpoint in reversed(checkpoint_folders(folder)):  # the newest whose trainer state names its run
         with contextlib.suppress(Exception):
             identity.update(run_id=str(read_trainer_state(checkpoint)["run_id"]), started=None, inputs=None,

@@ -183,7 +183,8 @@ def plot_runs(run_dirs: list, out: Optional[Path] = None) -> Optional[Path]:
         before = {(e["phase"], e["skills"]): e["overall"] for e in read_jsonl(run_dir / "eval.jsonl")
                   if e.get("before_training")}  # the validation before a phase's first update (iteration -1)
         if teacher:
-            ax_success.plot(range(offset), [m["success"] for m in teacher], color="gray", alpha=0.35, linewidth=1)
+            ax_success.plot([m["iteration"] for m in teacher], [m["success"] for m in teacher], color="gray",
+                            alpha=0.35, linewidth=1)  # (phase 1 as long as this run's: another's may be longer)
             val = [(-1, before[("teacher", True)])] if ("teacher", True) in before else []
             val += [(m["iteration"], m["val_success"]) for m in teacher if "val_success" in m]
             ax_success.plot(*zip(*val), "o-", color="gray", markersize=4,

@@ -32,6 +32,7 @@ change to the method, written as a few lines that import retireopd, change one t
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -39,6 +40,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import write_bytes_atomically, write_text_atomically
 
 HERE = Path(__file__).resolve().parent
 
@@ -231,8 +234,10 @@ def draw(rows: dict, out: Path, figures: list) -> None:
     axes[0][0].legend(fontsize=6, loc="lower right")
     fig.suptitle("The kitchen, phase 2 of every --algo: the student's validation (no skills), S_T dashed", fontsize=9)
     fig.tight_layout()
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png", dpi=100)
     for path in figures:
-        fig.savefig(path, dpi=100)
+        write_bytes_atomically(Path(path), picture.getvalue())  # (a new file renamed over it: never through a link)
         print(f"[study] wrote {path}")
     plt.close(fig)
 
@@ -258,9 +263,12 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit("study: --jobs must be >= 1")
-    out = Path(args.out)
+    # every path from where the study is started (its runs start in the project's folder)
+    out = Path(os.path.abspath(args.out))
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"study: --out {args.out} is not a folder")
     out.mkdir(parents=True, exist_ok=True)
-    teachers, base_from = (Path(p) if p else None for p in (args.teachers, args.base_from))
+    teachers, base_from = (Path(os.path.abspath(p)) if p else None for p in (args.teachers, args.base_from))
     script = Path(args.script).resolve()
     for flag, other in (("--teachers", teachers), ("--base-from", base_from)):
         if other is not None and other.resolve() == out.resolve():
@@ -284,9 +292,9 @@ def main(argv=None) -> dict:
     print(table)
     wall += before.get("wall_s", 0.0)  # a study stopped and started again: the wall time of every start
     print(f"[study] {len(args.seeds)} seeds, {args.jobs} runs at a time: {wall:.0f}s of runs in all")
-    saved.write_text(json.dumps({"settings": settings, "rows": {str(k): v for k, v in rows.items()},
-                                 "wall_s": round(wall, 1)}, indent=2) + "\n")
-    (out / "study.md").write_text(table + "\n")
+    write_text_atomically(saved, json.dumps({"settings": settings, "rows": {str(k): v for k, v in rows.items()},
+                                             "wall_s": round(wall, 1)}, indent=2) + "\n")  # (never through a link)
+    write_text_atomically(out / "study.md", table + "\n")
     draw(rows, out, [out / "study.png", *args.figure])
     return rows
 

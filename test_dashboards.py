@@ -164,6 +164,8 @@ def test_compare_is_titled_with_every_environment_and_lines_up_phase_two(tmp_pat
     import matplotlib.figure
     run_a, _, _ = run_cli(tmp_path, "a", "--env", "webshop")  # phase 1 (3 iterations), then phase 2
     run_b, _, _ = run_cli(tmp_path, "b", "--env", "kitchen", "--algo", "grpo")  # phase 2 only
+    run_c, _, _ = run_cli(tmp_path, "c", "--env", "webshop", "--teacher-iterations", "2")  # a shorter phase 1
+    assert dashboards.plot_runs([run_a, run_c]) == run_a / "compare.png"  # before: a ValueError, blamed on the logs
     figures = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
     dashboards.plot_runs([run_a, run_b])

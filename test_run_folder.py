@@ -702,11 +702,19 @@ def test_a_folder_with_the_names_a_run_writes_is_refused_and_clearing_removes_on
     assert sorted(p.name for p in run_dir.iterdir()) == ["README.md", "plot.png", "tensorboard", "tiny_base", "wandb"]
     for name, text in theirs.items():
         assert (run_dir / name).read_text() == text, name
+    # a demo base this script wrote, put there beforehand (as study.py does), is used and never removed
+    based = tmp_path / "based"
+    shutil.copytree(R.SHIPPED_BASE, based / "tiny_base")
+    teacher = save_teacher(tmp_path / "big", vocab_extra=64)
+    one_line_refusal(QUICK + ["--env", "webshop", "--algo", "opd", "--teacher", str(teacher), "--run-dir", str(based)],
+                     "a teacher must be trained")
+    assert json.loads((based / "run.json").read_text())["found_at_start"] == ["tiny_base"]
+    R.main(QUICK + [*GRPO, "--run-dir", str(based)])
+    assert (based / "tiny_base" / "retireopd.json").is_file()
     # a start that fails after run.json is written, in a folder that holds only the user's README: cleared
     clean = tmp_path / "clean"
     clean.mkdir()
     (clean / "README.md").write_text("their notes")
-    teacher = save_teacher(tmp_path / "big", vocab_extra=64)
     one_line_refusal(QUICK + ["--env", "webshop", "--algo", "opd", "--teacher", str(teacher), "--run-dir", str(clean)],
                      "a teacher must be trained")
     assert json.loads((clean / "run.json").read_text())["clean_start"] is True

@@ -86,6 +86,23 @@ def test_finished_runs_are_reused_and_other_settings_refused(tmp_path, monkeypat
         study.main(["--seeds", "0", "--out", str(tmp_path), "--retire-late", "45"])
 
 
+def test_out_is_resolved_from_where_the_study_starts_and_must_be_a_folder(tmp_path, monkeypatch):
+    for seed in (0,):
+        fake_seed(tmp_path / "mine" / f"seed{seed}", 0.5, VARIANT_REPORTS)
+    monkeypatch.setattr(study.subprocess, "Popen", lambda *a, **k: pytest.fail("a finished run was started"))
+    monkeypatch.chdir(tmp_path)  # before: the runs started in the project folder with the relative --out
+    study.main(["--seeds", "0", "--out", "mine"])
+    assert (tmp_path / "mine" / "study.json").is_file() and not (study.HERE / "mine").exists()
+    with pytest.raises(SystemExit, match="study: --out /dev/null is not a folder"):  # before: FileExistsError
+        study.main(["--seeds", "0", "--out", "/dev/null"])
+    outside = tmp_path / "theirs.md"
+    outside.write_text("theirs")
+    (tmp_path / "mine" / "study.md").unlink()
+    (tmp_path / "mine" / "study.md").symlink_to(outside)
+    study.main(["--seeds", "0", "--out", "mine"])  # the table is written beside the link's place, never through it
+    assert outside.read_text() == "theirs" and not (tmp_path / "mine" / "study.md").is_symlink()
+
+
 def test_a_started_run_is_resumed_and_a_new_one_gets_its_flags(tmp_path):
     run = tmp_path / "seed2" / "opd"
     fresh = study.command("opd", 2, run, tmp_path / "seed2" / "retireopd" / "teacher", 8, 40, ["--opd-coef", "1"])
