@@ -271,10 +271,17 @@ def run_identity(folder: Path, cfg, inputs: Optional[dict]) -> dict:
     damaged one is kept as run.json.corrupt): the checkpoints are never discarded for want of it. A
     resume whose inputs differ from the run's is refused (same_inputs)."""
     path = folder / RUN_IDENTITY
+    identity = None
     with contextlib.suppress(OSError, ValueError):
         identity = json.loads(read_owned_text(path))
-        if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
-            return same_inputs(identity, inputs, folder)
+    if isinstance(identity, dict) and isinstance(identity.get("run_id"), str):
+        edited = [f"{key} {getattr(cfg, key)} (the run's is {identity[key]})" for key in RUN_DEFINING_SETTINGS
+                  if identity.get(key) is not None and identity[key] != getattr(cfg, key)]
+        if edited:  # (config.json edited since: the run would go on as another)
+            raise SystemExit(f"retireopd: --resume {folder}: its config.json says {', '.join(edited)}, as run.json "
+                             "recorded when the run started: config.json was changed; restore it (a checkpoint "
+                             "keeps a copy, checkpoints/*/retireopd.json) or start a new run")
+        return same_inputs(identity, inputs, folder)
     damaged = os.path.lexists(path)
     if damaged:
         rename_entry(path, path.with_name(RUN_IDENTITY + ".corrupt"), folder)
@@ -298,9 +305,10 @@ def same_inputs(identity: dict, inputs: Optional[dict], folder: Path) -> dict:
     inputs of a run.json that lacks them (restored from a checkpoint, or written by an older version)."""
     if inputs is None or identity.get("inputs") == inputs:
         return identity
-    if identity.get("inputs") is not None:
-        changed = [f"{key} {identity['inputs'].get(key)} -> {value}" for key, value in inputs.items()
-                   if identity["inputs"].get(key) != value]
+    recorded = identity.get("inputs")
+    changed = [f"{key} {recorded.get(key)} -> {value}" for key, value in inputs.items()
+               if isinstance(recorded, dict) and key in recorded and recorded[key] != value]
+    if changed:  # (a key the record lacks was added by a later version: recorded now, not compared)
         raise SystemExit(f"retireopd: --resume {folder} would not train on what the run started with ("
                          + "; ".join(changed) + "): restore those (a data folder, an environment "
                          "variable), or start a new run")
@@ -321,7 +329,27 @@ def run_inputs(cfg, suite) -> dict:
     data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env, "built in")
     return {"data": data, "model": cfg.model, "teacher": cfg.teacher, "train_tasks": len(suite.train),
             "panels": [len(suite.validation_panel), len(suite.report_panel)],
-            "tasks_sha256": hashlib.sha256(json.dumps(tasks).encode()).hexdigest()[:16]}
+            "tasks_sha256": hashlib.sha256(json.dumps(tasks).encode()).hexdigest()[:16],
+            "model_weights": weights_fingerprint(cfg.model), "teacher_weights": weights_fingerprint(cfg.teacher)}
+
+
+def weights_fingerprint(source: Optional[str]) -> Optional[str]:
+    """A fingerprint of a local model folder's weights, or None (the models built in code, hub ids): each
+    .safetensors file's size, header (names, shapes, offsets) and three MiB of its data (start, middle, end).
+    Weights trained further, or another model's, differ there; reading them whole would cost seconds per GB."""
+    folder = Path(resolve_model_name(source)).expanduser() if source else None
+    if folder is None or not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(min(int.from_bytes(f.read(8), "little"), size))
+            digest.update(path.name.encode() + str(size).encode() + header)
+            for start in (8 + len(header), size // 2, max(size - 2**20, 0)):
+                f.seek(start)
+                digest.update(f.read(2**20))
+    return digest.hexdigest()[:16]
 
 
 # ==================================================================================================
@@ -707,6 +735,18 @@ def teacher_folder_problem(folder: Path, env: str) -> Optional[str]:
         return f"{folder} was trained on {stored.get('env')}, this run is --env {env}"
     if problem := saved_model_problem(folder):
         return f"{folder} is not a whole model folder ({problem})"
+    return None
+
+
+def foreign_teacher_problem(teacher_dir: Path, run_id: str) -> Optional[str]:
+    """Why a run's own teacher/ is not the one its phase 1 wrote, or None: its retireopd.json names another run
+    (one put back in place of a lost teacher, from another run's folder). A teacher of an older version names
+    none, and is taken as the run's."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        written_by = json.loads((teacher_dir / "retireopd.json").read_text()).get("run_id")
+        if isinstance(written_by, str) and written_by != run_id:
+            return (f"{teacher_dir} was written by run {written_by}, and this folder holds run {run_id}: put this run's "
+                    "own teacher back (from a copy), or pass the other one as --teacher to a new run")
     return None
 
 

@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -206,11 +207,16 @@ def finite_json(value):
     return [finite_json(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
+CHECKPOINT_NAME = re.compile(r"\d-(teacher|student)-\d{5}")  # Run.checkpoint's: phase number, phase, iteration
+
+
 def checkpoint_folders(run_dir: Path) -> list:
-    """The resumable checkpoints of a run folder, oldest first (not one being written, nor one set aside)."""
+    """The resumable checkpoints of a run folder, oldest first (not one being written, nor one set aside): the
+    folders named as Run.checkpoint names them, and not another run's folder (a run.json), so that what
+    someone put there (a run started inside it) is never taken for one, set aside or deleted."""
     folder = Path(run_dir) / "checkpoints"  # (a link is never one: run_folder_problem refuses it)
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()
-                  and not p.name.endswith((".tmp", ".corrupt"))) if folder.is_dir() and not folder.is_symlink() else []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink() and CHECKPOINT_NAME.fullmatch(p.name)
+                  and not (p / "run.json").exists()) if folder.is_dir() and not folder.is_symlink() else []
 
 
 def read_trainer_state(folder: Path) -> dict:

@@ -1118,6 +1118,8 @@ class ModelLoader:
         if self.teacher_dir.is_dir() and (problem := checks.teacher_folder_problem(self.teacher_dir, cfg.env)):
             raise SystemExit(f"retireopd: {problem}: restore that folder from a copy, or start a new run (a resume "
                              "never redoes phase 1 behind a student's checkpoints)")
+        if not cfg.teacher and (problem := checks.foreign_teacher_problem(self.teacher_dir, run.run_id)):
+            raise SystemExit(f"retireopd: {problem}")
 
     def teacher_saved(self) -> bool:
         return (self.teacher_dir / "retireopd.json").is_file()
@@ -1662,7 +1664,8 @@ class Run:
         # too, one that does not drops it
         self.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
         self.save_model(model, tokenizer, "teacher", {"teacher_success": teacher_success, "env": self.cfg.env,
-                                                      "base_model": self.cfg.model, "validations": validations[-2:]})
+                                                      "base_model": self.cfg.model, "validations": validations[-2:],
+                                                      "run_id": self.run_id})
         multigpu.barrier()  # phase 2 reads it back on every rank
         self.lap("phase 1")
 

@@ -489,6 +489,41 @@ def test_a_config_json_with_a_value_of_another_type_or_without_its_env_is_one_li
     one_line_refusal(["--resume", str(run_dir)], f"its config.json is damaged \\({message}\\)")
 
 
+def test_a_resume_continues_the_same_run_or_says_why_not(tmp_path, monkeypatch):
+    run_dir = interrupted_run(tmp_path, monkeypatch, "r", "--algo", "grpo+opd")
+    config_text = (run_dir / "config.json").read_text()
+    # config.json's algo edited: before, the next iteration trained as pure OPD while run.json said grpo+opd
+    (run_dir / "config.json").write_text(json.dumps({**json.loads(config_text), "algo": "opd"}))
+    one_line_refusal(["--resume", str(run_dir)], "its config.json says algo opd \\(the run's is grpo\\+opd\\)")
+    (run_dir / "config.json").write_text(config_text)
+    # another run's teacher/ put back in place of a lost one: before, accepted
+    other = interrupted_run(tmp_path, monkeypatch, "other", "--algo", "grpo+opd")
+    shutil.rmtree(run_dir / "teacher")
+    shutil.copytree(other / "teacher", run_dir / "teacher")
+    one_line_refusal(["--resume", str(run_dir)], "teacher was written by run .+, and this folder holds run")
+
+
+def test_a_run_inside_another_runs_checkpoints_is_never_taken_for_a_checkpoint(tmp_path, monkeypatch):
+    outer = interrupted_run(tmp_path, monkeypatch, "outer")
+    inner = outer / "checkpoints" / "my-run"
+    R.main(QUICK + [*GRPO, "--run-dir", str(inner)])  # before: the outer resume renamed it my-run.corrupt
+    lookalike = outer / "checkpoints" / "1-student-00099"  # a run folder named like a checkpoint
+    shutil.copytree(inner, lookalike)
+    R.main(["--resume", str(outer)])
+    assert (inner / "run.json").is_file() and (lookalike / "run.json").is_file()
+    assert not list((outer / "checkpoints").glob("*.corrupt"))
+
+
+def test_a_resume_refuses_a_model_folder_whose_weights_changed(tmp_path, monkeypatch):
+    model, tok = R.load_policy("tiny", torch.device("cpu"), torch.float32, seed=0)
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    run_dir = interrupted_run(tmp_path, monkeypatch, "r", "--model", str(base))
+    R.load_policy("tiny", torch.device("cpu"), torch.float32, seed=1)[0].save_pretrained(base)  # other weights
+    one_line_refusal(["--resume", str(run_dir)], "would not train on what the run started with \\(model_weights ")
+
+
 def test_a_trainer_state_must_hold_what_a_checkpoint_writes():
     whole = {key: 0 for key in checks.TRAINER_STATE_KEYS} | {"phase": "student", "optimizer": {}, "val_successes": []}
     assert checks.trainer_state_problem(whole) is None
