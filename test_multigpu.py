@@ -56,10 +56,21 @@ multigpu.stop_processes()
 '''
 
 
-def torchrun(*args, processes=2, timeout=600, **kwargs):
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun(*args, processes=2, timeout=600, again_after_teardown_abort=False, **kwargs):
+    """The command under torchrun. With again_after_teardown_abort (a script that can simply run again), launched
+    once more if a rank aborted with TEARDOWN_ABORT: on the 2-core machine one launch of the sharded update in 8
+    to 16 ends so, before this change too, after the script has written its results (at the processes' exit,
+    in gloo's or torch's threads; not investigated further)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
-    return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=timeout,
-                          **kwargs)
+    for _ in range(2 if again_after_teardown_abort else 1):
+        done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=timeout,
+                              **kwargs)
+        if done.returncode == 0 or TEARDOWN_ABORT not in done.stderr:
+            return done
+    return done
 
 
 @pytest.mark.slow
@@ -70,7 +81,7 @@ def test_the_sharded_update_is_the_one_process_update(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-8000:]
-    done = torchrun(str(script), str(tmp_path / "two.pt"), here)
+    done = torchrun(str(script), str(tmp_path / "two.pt"), here, again_after_teardown_abort=True)
     assert done.returncode == 0, done.stderr[-8000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     # 7 samples, mini-batches of 3 drawn from the global batch, 2 epochs: 6 optimizer steps on both
@@ -104,7 +115,7 @@ def test_the_sharded_update_is_the_one_process_update_with_the_authors_aggregati
     done = subprocess.run([sys.executable, str(tmp_path / "authors.py"), str(tmp_path / "one.pt"), here],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-8000:]
-    done = torchrun(str(tmp_path / "authors.py"), str(tmp_path / "two.pt"), here)
+    done = torchrun(str(tmp_path / "authors.py"), str(tmp_path / "two.pt"), here, again_after_teardown_abort=True)
     assert done.returncode == 0, done.stderr[-8000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for key in ("loss", "pg_loss", "opd_loss", "entropy", "grad_norm", "trained_tokens"):
