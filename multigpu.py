@@ -62,6 +62,17 @@ def stop_processes() -> None:
         torch.distributed.destroy_process_group()
 
 
+def exit_at_once() -> None:
+    """Under torchrun, end this process now that its work is done and written (the logs are fsynced, the
+    process group destroyed), without the interpreter's teardown: on CPU (gloo) about one launch in ten of
+    two processes aborted there ("terminate called without an active exception", exit -6, after everything was
+    saved); none in 24 launches that exit so. One process: nothing (a normal return)."""
+    if world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def barrier() -> None:
     """Wait for every rank (after rank 0 wrote something the others read)."""
     if world_size() > 1:

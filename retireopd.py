@@ -1925,6 +1925,7 @@ if __name__ == "__main__":
         signal.signal(stop_signal, stop_at_the_next_safe_point)  # at the end of the iteration, with a checkpoint
     try:
         main()
+        multigpu.exit_at_once()  # (torchrun: without the interpreter's teardown, where gloo's threads may abort)
     except KeyboardInterrupt as interrupt:
         launcher = f"torchrun --nproc_per_node {multigpu.world_size()}" if ddp else "python"
         resume = f"{launcher} retireopd.py --resume {shlex.quote(str(Run.latest))}"

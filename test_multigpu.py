@@ -53,23 +53,14 @@ weights = multigpu.full_state_dict(policy) or {k: v.detach() for k, v in policy.
 if multigpu.main_process():
     torch.save({"weights": weights, "stats": stats}, sys.argv[1])
 multigpu.stop_processes()
+multigpu.exit_at_once()  # (as retireopd.py ends under torchrun)
 '''
 
 
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
-def torchrun(*args, processes=2, timeout=600, again_after_teardown_abort=False, **kwargs):
-    """The command under torchrun. With again_after_teardown_abort (a script that can simply run again), launched
-    once more if a rank aborted with TEARDOWN_ABORT: on the 2-core machine one launch of the sharded update in 8
-    to 16 ends so, before this change too, after the script has written its results (at the processes' exit,
-    in gloo's or torch's threads; not investigated further)."""
+def torchrun(*args, processes=2, timeout=600, **kwargs):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
-    for _ in range(2 if again_after_teardown_abort else 1):
-        done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=timeout,
-                              **kwargs)
-        if done.returncode == 0 or TEARDOWN_ABORT not in done.stderr:
-            return done
+    return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
     return done
 
 
@@ -81,7 +72,7 @@ def test_the_sharded_update_is_the_one_process_update(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-8000:]
-    done = torchrun(str(script), str(tmp_path / "two.pt"), here, again_after_teardown_abort=True)
+    done = torchrun(str(script), str(tmp_path / "two.pt"), here)
     assert done.returncode == 0, done.stderr[-8000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     # 7 samples, mini-batches of 3 drawn from the global batch, 2 epochs: 6 optimizer steps on both
@@ -115,7 +106,7 @@ def test_the_sharded_update_is_the_one_process_update_with_the_authors_aggregati
     done = subprocess.run([sys.executable, str(tmp_path / "authors.py"), str(tmp_path / "one.pt"), here],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-8000:]
-    done = torchrun(str(tmp_path / "authors.py"), str(tmp_path / "two.pt"), here, again_after_teardown_abort=True)
+    done = torchrun(str(tmp_path / "authors.py"), str(tmp_path / "two.pt"), here)
     assert done.returncode == 0, done.stderr[-8000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for key in ("loss", "pg_loss", "opd_loss", "entropy", "grad_norm", "trained_tokens"):
@@ -129,7 +120,8 @@ def test_the_sharded_update_is_the_one_process_update_with_the_authors_aggregati
 
 
 TORCHRUN_FLAGS = QUICK + ["--env", "webshop", "--batch-tasks", "2", "--mini-batch", "4", "--opd-mini-batch", "4",
-                          "--eval-episodes", "5"]  # panels of 5, in chunks of B*G = 4: shares of 2+2, then 1+0
+                          "--eval-episodes", "5", "--eval-batch", "4"]  # panels of 5, in batches of 4: shares of
+# 2+2, then 1+0
 
 
 @pytest.mark.slow
