@@ -56,7 +56,7 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     recorder = SampledTokenLogprobs()
     rows = len(prompts)
-    static = sampler == "static" or (sampler == "auto" and device.type == "cuda")
+    static = samples_static(sampler, device)
     if static:  # a copy with bf16 Linear weights on a GPU, its decode attention packed; rows padded to a bucket
         model = static_sampling_copy(model)
         sampling.compile_config = compile_config() if device.type == "cuda" else None  # (CPU: nothing compiled)
@@ -232,6 +232,11 @@ def static_sampling_copy(model):
     if copy.config._attn_implementation != PACKED_SDPA:
         copy.set_attn_implementation(PACKED_SDPA)
     return copy
+
+
+def samples_static(sampler: str, device: torch.device) -> bool:
+    """--sampler: "static", or "auto" on a GPU, takes the static path; "eager", or "auto" on CPU, the reference."""
+    return sampler == "static" or (sampler == "auto" and device.type == "cuda")
 
 
 def kv_dtype(device: torch.device) -> torch.dtype:

@@ -102,7 +102,7 @@ def estimate_memory_gb(model, cfg, n_frozen: int, skill_tokens: int = 0,
     eval_sequences = -(-cfg.eval_batch // processes)  # (each rank plays its share of a batch)
     head_dim = hidden // shape.num_attention_heads
     prompt_width = cfg.max_prompt_tokens + skill_tokens
-    static = cfg.sampler == "static" or (cfg.sampler == "auto" and device.type == "cuda")
+    static = engine.samples_static(cfg.sampler, device)
     kv_per_token = shape.num_key_value_heads * head_dim
 
     def kv_cache(rows: int) -> int:
