@@ -1717,6 +1717,29 @@ def stop_at_the_next_safe_point(signum: int, _frame) -> None:
               "(a second signal stops at once)", flush=True)
 
 
+def stop_line(how: str) -> str:
+    """The last line of a stopped run: the command that resumes it, or that there is nothing to resume."""
+    launcher = f"torchrun --nproc_per_node {multigpu.world_size()}" if ddp else "python"
+    resume = f"{launcher} retireopd.py --resume {shlex.quote(str(Run.latest))}"
+    return (f"\n[retireopd] {how}: continue with `{resume}` (from the last checkpoint)" if Run.latest
+            else f"\n[retireopd] {how} before the run folder was written: nothing to resume")
+
+
+def interrupt_once(_signum: int, _frame) -> None:
+    """Ctrl-C: the run unwinds (KeyboardInterrupt) and prints how to resume. A second Ctrl-C while it unwinds
+    ends it at once and quietly, with the same line and status: what the run wrote is already whole (every
+    file is written aside and renamed), and a lock whose holder is gone is taken over by the next start."""
+    if INTERRUPTED:
+        if "said" not in INTERRUPTED:
+            os.write(2, (stop_line("interrupted") + "\n").encode())
+        os._exit(1)
+    INTERRUPTED.append(True)
+    raise KeyboardInterrupt
+
+
+INTERRUPTED: list = []  # set by the first Ctrl-C, and once its line is printed
+
+
 def retirement_message(iteration: int, retirement: Retirement, record: dict) -> str:
     if retirement.mode == "fixed":
         return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
@@ -1923,16 +1946,16 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
 if __name__ == "__main__":
     for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop, a closed terminal: as Ctrl-C, but
         signal.signal(stop_signal, stop_at_the_next_safe_point)  # at the end of the iteration, with a checkpoint
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where the shell ignores Ctrl-C)
+        signal.signal(signal.SIGINT, interrupt_once)
     try:
         main()
         multigpu.exit_at_once()  # (torchrun: without the interpreter's teardown, where gloo's threads may abort)
     except KeyboardInterrupt as interrupt:
-        launcher = f"torchrun --nproc_per_node {multigpu.world_size()}" if ddp else "python"
-        resume = f"{launcher} retireopd.py --resume {shlex.quote(str(Run.latest))}"
         how = (f"stopped by {signal.Signals(interrupt.signum).name} {interrupt.where}"
                if isinstance(interrupt, Stopped) else "interrupted")
-        print(f"\n[retireopd] {how}: continue with `{resume}` (from the last checkpoint)" if Run.latest
-              else f"\n[retireopd] {how} before the run folder was written: nothing to resume", file=sys.stderr)
+        print(stop_line(how), file=sys.stderr, flush=True)
+        INTERRUPTED.append("said")
         sys.exit(128 + interrupt.signum if isinstance(interrupt, Stopped) else 1)
     except PermissionError as error:  # a file or folder of a shared disk that this user may not read or write
         sys.exit(f"retireopd: permission denied: {error.filename or error} (this user may not read or write it: "

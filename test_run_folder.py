@@ -351,7 +351,8 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_what_to
 
 
 @pytest.mark.slow
-def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
+@pytest.mark.parametrize("second_ctrl_c", [False, True])
+def test_ctrl_c_names_the_run_folder_to_resume(tmp_path, second_ctrl_c):
     import signal
     import subprocess
     import time as time_module
@@ -366,7 +367,14 @@ def test_ctrl_c_names_the_run_folder_to_resume(tmp_path):
     while time_module.time() < deadline and process.poll() is None and not R.read_jsonl(run_dir / "metrics.jsonl"):
         time_module.sleep(0.05)
     process.send_signal(signal.SIGINT)
+    while second_ctrl_c and process.poll() is None:  # Ctrl-C again and again while the run unwinds (a second
+        try:                                          # sent at once would be folded into the first)
+            process.send_signal(signal.SIGINT)
+        except ProcessLookupError:
+            break
+        time_module.sleep(0.002)
     _, stderr = process.communicate(timeout=120)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
     assert process.returncode == 1, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == (f"[retireopd] interrupted: continue with `python retireopd.py "
                                                f"--resume '{run_dir}'` (from the last checkpoint)")
