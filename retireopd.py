@@ -232,10 +232,11 @@ def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, 
     """(what the environment receives, whether the answer is well formed): the authors' projection
     (verl-agent's alfworld/webshop projection), and one rule of ours.
 
-    The answer is lowercased. With both an `<action>` and an `</action>` tag, the action is the text
-    between the first of each, stripped (an `</action>` before the `<action>` gives ""); without,
+    The action is read from the lowercased answer: with both an `<action>` and an `</action>` tag, the
+    text between the first of each, stripped (an `</action>` before the `<action>` gives ""); without,
     the answer's last FALLBACK_CHARS[env_name] characters, and the answer is malformed. It is also
-    malformed when `<think>` or `</think>` is missing, when it holds a character of CJK_RE, or
+    malformed when `<think>` or `</think>` is missing from the answer as written (case-sensitive, as
+    theirs: `<THINK>` does not count), when it holds a character of CJK_RE, or
     (ours) when it was `cut` at --max-response-tokens. Either way the rollout steps the environment
     with the string (an inadmissible one changes nothing) and keeps the pair in the history; a
     malformed answer costs its turn -0.1 (turn_scores). An empty action is well formed, as theirs.
@@ -544,7 +545,8 @@ class Retirement:
         return {"gap_block": self.blocks[-1][1]}
 
     def observe_validation(self, iteration: int, success: float) -> dict:
-        """A judging validation, if a full block waits (the newest; at most one), with this validation's success."""
+        """A judging validation, if a full block waits: the first block not yet judged (with eval_every <= W
+        at most one waits), against the block judged before it, with this validation's success."""
         record = {"val_success": success, "progress": None, "competence": None, "criterion_valid": False}
         if self.judged == len(self.blocks):
             return record  # no full block since the last judgement: nothing to judge
