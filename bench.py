@@ -30,12 +30,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
-import checks
 import common
 import engine
 import memory
+import model_sources
 import multigpu
 import retireopd as R
+import run_folder
+import settings
 
 MEASURABLE_PEAK_GB = 0.01  # the benchmark's memory floor: below it a peak is noise, not a measurement
 
@@ -132,9 +134,9 @@ def head_probe(model, cfg, sizes: ProbeSizes, rng: random.Random) -> Optional[di
     for tf32 in (False, True):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         with torch.no_grad():
-            R.token_logprobs(hidden, ids.flatten(), model.get_output_embeddings(), cfg.logprob_chunk)
-            out[tf32] = measure(device, lambda: R.token_logprobs(hidden, ids.flatten(), model.get_output_embeddings(),
-                                                                  cfg.logprob_chunk))
+            R.head_logprobs(hidden, ids.flatten(), model.get_output_embeddings(), cfg.logprob_chunk)
+            out[tf32] = measure(device, lambda: R.head_logprobs(hidden, ids.flatten(), model.get_output_embeddings(),
+                                                                 cfg.logprob_chunk))
     torch.backends.cuda.matmul.allow_tf32 = previous
     difference = (out[True][0] - out[False][0]).abs()
     per_1k = {name: round(1e6 * out[tf32][1] / len(difference), 3) for name, tf32 in (("fp32", False), ("tf32", True))}
@@ -478,7 +480,7 @@ def main(argv: Optional[list] = None) -> Path:
                         "against plain Hugging Face calls on the same inputs (ratios > 1: ours is faster)")
     args = vars(parser.parse_args(argv))
     versus_plain = args.pop("versus_plain")
-    if problem := checks.path_flag_problem(args):
+    if problem := settings.path_flag_problem(args):
         raise SystemExit(f"retireopd: {problem}")
     if multigpu.world_size() > 1:
         raise SystemExit("retireopd: the benchmark runs in one process: start it with python, not torchrun")
@@ -487,9 +489,9 @@ def main(argv: Optional[list] = None) -> Path:
         args.setdefault("model", "random:Qwen2.5-1.5B" if on_gpu else "tiny")
         args.setdefault("env", "webshop")  # (the probe plays no episode: the built-in catalogue needs no data)
     cfg = R.parse_config(args)
-    if problem := checks.model_source_problem(cfg.model):
+    if problem := model_sources.model_source_problem(cfg.model):
         raise SystemExit(f"retireopd: {problem}")
-    checks.check_run_folder(cfg.run_dir, resuming=False)
+    run_folder.check_run_folder(cfg.run_dir, resuming=False)
     if versus_plain:
         print_benchmark(benchmark(cfg), Path(cfg.run_dir))
         return Path(cfg.run_dir)

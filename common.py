@@ -45,8 +45,8 @@ def pick_device(name: str) -> torch.device:
 
 # A run folder may sit on a shared disk where others can write: what the run reads, writes, renames or
 # deletes there is never followed through a link, never a FIFO or a device, and every write that replaces
-# a file is durable (fsync) before it is in place. checks.run_folder_problem refuses a folder whose own
-# entries are links or special files at the start; these helpers hold the line while the run goes on.
+# a file is durable (fsync) before it is in place. run_folder.run_folder_problem refuses a folder whose
+# own entries are links or special files at the start; these helpers hold the line while the run goes on.
 
 
 def read_owned_text(path: Path) -> str:
@@ -229,7 +229,7 @@ def read_trainer_state(folder: Path) -> dict:
 def drop_custom_code(folder: Path) -> None:
     """Remove `auto_map` (the custom code a model's hub repo may name, which this script never runs: the
     model loads with transformers' own class) from a model folder it saved, so that its checkpoints and
-    final models, which must name no code (checks.saved_model_problem), load again."""
+    final models, which must name no code (model_sources.saved_model_problem), load again."""
     for name in ("config.json", "tokenizer_config.json"):
         path = Path(folder) / name
         config = json.loads(path.read_text()) if path.is_file() else None

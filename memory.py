@@ -54,6 +54,9 @@ def peak_memory_gb(device: torch.device) -> float:
 # ==================================================================================================
 
 
+SKILL_BLOCK_TOKENS = 1024  # room for phase 1's skill block in the estimate's prompt width (a bound: 177 on ALFWorld)
+
+
 def estimate_memory_gb(model, cfg, n_frozen: int, skill_tokens: int = 0,
                        device: Optional[torch.device] = None, processes: Optional[int] = None) -> dict:
     """Rough start-up estimate of a phase's peak accelerator memory, printed before it runs (GiB),

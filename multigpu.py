@@ -164,6 +164,15 @@ def shard(model, device: torch.device, score_tokens):
         module.set_force_sum_reduction_for_comms(True)  # (a plain sum: no averaging op, no pre-scaling)
     model.score_tokens = functools.partial(score_tokens, model)
     register_fsdp_forward_method(model, "score_tokens")
+    gathered_forward = model.score_tokens
+
+    def score_tokens_then_reshard(*args):
+        scored = gathered_forward(*args)
+        if not torch.is_grad_enabled():  # no backward follows: FSDP would keep the root's weights gathered,
+            model.reshard()  # and a later training step reduced wrong gradients for them
+        return scored
+
+    model.score_tokens = score_tokens_then_reshard  # what sequence_logprobs calls on a sharded model
     return model
 
 

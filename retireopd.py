@@ -4,21 +4,19 @@ Phase 1 trains a teacher with GRPO while the task's skill notes sit in its promp
 S_T is its validation success with skills. Phase 2 trains a fresh, skill-free student with GRPO plus
 an on-policy distillation loss lambda * L_OPD: the teacher scores every token the student sampled.
 The gap K between student and teacher is averaged over blocks of W iterations; a validation judges
-the newest full block against the one judged before it. Once K stopped shrinking and the student's
-successes at this and the previous judging validation average at least rho * S_T, the teacher is
-retired and GRPO alone goes on.
+a full block against the one judged before it. Once K stopped shrinking and the student's successes
+at this and the previous judging validation average at least rho * S_T, the teacher is retired and
+GRPO alone goes on.
 
 Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
-math, 4 rollout, 5 update, 6 one iteration, a phase, the two phases. There the method ends, at a
-banner. Below it is what one process needs to run it (evaluation and the update's bookkeeping, the
-scoring forward, loading, the run folder, the command line). Several processes (torchrun) add three
-`if ddp:` steps, with helpers in multigpu.py. The rest lives in modules named for what they hold, none
-of which imports this file: engine.py samples (generate), environments.py drives alfworld_env.py,
-webshop_env.py and kitchen_env.py (the offline demo's) through one interface, tiny.py builds the
-models made in code, checks.py checks flags, models and run folders, memory.py and dashboards.py
-measure and show a run, common.py holds what they share; bench.py times the model calls. `python
-retireopd.py` runs the offline demo; --help lists every flag. Every deliberate choice, with its
-reason, is in docs/choices.md.
+math, 4 rollout, 5 update (with the scoring forward: how each log-prob is taken), 6 one iteration, a
+phase, the two phases. There the method ends, at a banner that names what it calls from below
+(evaluation, bookkeeping, loading, the run folder, the command line). torchrun adds three `if ddp:`
+steps (multigpu.py). Modules hold the rest, none importing this file: engine.py samples; environments.py
+drives alfworld_env.py, webshop_env.py and kitchen_env.py; tiny.py builds the models made in code;
+settings.py, model_sources.py, run_folder.py and repairs.py check flags, models and run folders;
+memory.py and dashboards.py measure and show a run; common.py holds what they share; bench.py times
+the model calls. `python retireopd.py` runs the offline demo; docs/choices.md gives every choice.
 """
 
 from __future__ import annotations
@@ -47,11 +45,14 @@ import transformers
 from tqdm.auto import tqdm
 
 import alfworld_env  # ALFWorld on its real engine, and its skill notes
-import checks  # flags, model sources, teachers and run folders, checked in one line; a damaged run folder repaired
 import dashboards  # the live dashboard (--report-to), the summary line, the plot
 import kitchen_env  # the offline demo's kitchen, and its skill notes
 import memory  # the peak-memory gauges and the memory estimate
+import model_sources  # what cannot be loaded or cannot teach: --model (a folder, the hub), teachers, model folders
 import multigpu  # what several processes add: the three `if ddp:` steps of the method
+import repairs  # what keeps a damaged run folder resumable: checkpoints set aside, logs truncated, config restored
+import run_folder  # the run folder's lock and which run it holds (run.json): one process per folder
+import settings  # the flags resolved and checked in one line (a table of rules), a resume's settings, the data
 import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
 import webshop_env  # WebShop in pure Python, and its skill notes
 from common import (PHASES, append_line, checkpoint_folders, drop_custom_code, finite_json, fsync_logs, fsync_path,
@@ -69,21 +70,20 @@ from environments import EpisodeState, TaskSuite, close_episodes, start_episodes
 class Algorithm(NamedTuple):
     """What one --algo runs. Phase 1 (Skill-GRPO) trains the teacher with GRPO, skills in its prompt.
     Phase 2 trains a fresh, skill-free student; with a teacher, under the authors' phase-2 protocol
-    (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol). The student_
-    fields say how phase 2 trains; phase 1 is always Skill-GRPO."""
-    teacher_phase: bool  # phase 1 runs (or --teacher reuses a saved teacher)
-    student_phase: bool  # phase 2 runs
-    student_grpo: bool  # the student trains on environment reward: the PPO-clip GRPO loss
-    student_opd: bool  # the student distils from the frozen teacher: lambda * L_OPD
-    student_retirement: Optional[str]  # "adaptive": the authors' rule (--retire-at N: a fixed schedule); None: never
+    (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol)."""
+    phase_1: bool  # the teacher is trained (or --teacher reuses a saved one)
+    phase_2: bool  # the student is trained, with the loss that follows:
+    grpo: bool  # on environment reward: the PPO-clip GRPO loss
+    opd: bool  # distilling from the frozen teacher: lambda * L_OPD
+    retirement: str  # "adaptive": the authors' rule ("fixed" with --retire-at N); "never": the teacher stays
 
 
-ALGORITHMS = {  # teacher_phase, student_phase, student_grpo, student_opd, student_retirement
-    "retireopd": Algorithm(True, True, True, True, "adaptive"),  # the method
-    "grpo": Algorithm(False, True, True, False, None),  # the RL baseline
-    "skill-grpo": Algorithm(True, False, False, False, None),  # the teacher alone, reported with and without skills
-    "opd": Algorithm(True, True, False, True, None),  # pure distillation
-    "grpo+opd": Algorithm(True, True, True, True, None),  # GRPO + OPD, never retired
+ALGORITHMS = {
+    "retireopd": Algorithm(phase_1=True, phase_2=True, grpo=True, opd=True, retirement="adaptive"),  # the method
+    "grpo": Algorithm(phase_1=False, phase_2=True, grpo=True, opd=False, retirement="never"),  # the RL baseline
+    "skill-grpo": Algorithm(phase_1=True, phase_2=False, grpo=False, opd=False, retirement="never"),  # teacher alone
+    "opd": Algorithm(phase_1=True, phase_2=True, grpo=False, opd=True, retirement="never"),  # pure distillation
+    "grpo+opd": Algorithm(phase_1=True, phase_2=True, grpo=True, opd=True, retirement="never"),  # never retired
 }
 # Several processes: `torchrun --nproc_per_node N retireopd.py` sets WORLD_SIZE. The method's three `if ddp:`
 # steps say where processes differ (helpers in multigpu.py); `python retireopd.py` runs none of them.
@@ -97,41 +97,24 @@ def arg(default, help: str):
 
 @dataclass
 class Config:
-    # --- what to run -----------------------------------------------------------------------------
+    # ===== the method: the paper's hyper-parameters (the authors' defaults) ==========================
     model: str = arg("tiny", "tiny: the offline demo (tiny.py); an alias (Qwen2.5-1.5B/3B/7B: the paper's protocol, "
                      "the defaults below), hub id, local folder, or random:<alias>")
     algo: str = arg("retireopd", "retireopd | grpo | skill-grpo | opd | grpo+opd (README: The algorithm)")
     env: str = arg("alfworld", "alfworld | webshop | kitchen (the offline demo's; the `tiny` preset's default)")
-    alfworld_data: Optional[str] = arg(None, "root with json_2.1.1/ (default $ALFWORLD_DATA, else ~/.cache/alfworld); "
-                                       "\"fixtures\": our own tiny games (the tiny preset's default)")
-    webshop_data: Optional[str] = arg(None, "the official WebShop files (default $WEBSHOP_DATA, else built in)")
-    webshop_reward: str = arg("faithful", "faithful (the original's reward, its option bug kept) | fixed")
-    teacher: Optional[str] = arg(None, "reuse a saved phase-1 teacher folder (skips phase 1)")
-    retire_at: Optional[int] = arg(None, "fixed-schedule retirement at this phase-2 iteration (ablation)")
-    run_dir: Optional[str] = arg(None, "output folder (default runs/<env>-<algo>-<time>)")
     seed: int = arg(0, "seeds task sampling, rollouts and the tiny/random: model weights")
-    warm_start: int = arg(0, "tiny only: behaviour-cloning steps that teach the answer format and reading a skill "
-                          "block, on invented dishes (docs/running.md: the offline demo); 0: the random tiny model")
-    device: str = arg("auto", "auto | cuda | cuda:N | cpu")
-    # --- rollout -------------------------------------------------------------------------------
+    # --- rollout ---
     iterations: int = arg(150, "training iterations per phase (the authors' protocol)")
     teacher_iterations: Optional[int] = arg(None, "phase 1's, if not --iterations (which alone sets both)")
     batch_tasks: int = arg(16, "B: tasks per iteration")
     group_size: int = arg(8, "G: rollouts per task; a GRPO group")
     max_turns: Optional[int] = arg(None, "None -> 50 (ALFWorld) / 15 (WebShop)")
     history: int = arg(2, "H: past (observation, action) pairs shown in the prompt")
-    env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
     max_response_tokens: int = arg(512, "an answer cut here is malformed (and still steps the env)")
     max_prompt_tokens: Optional[int] = arg(None, "student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)")
-    prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
-                             "it times the prompt width, not with B*G); 0: all of them in one forward")
-    sampler: str = arg("eager", "eager: the reference decode loop | static: a static KV cache (bf16 on a GPU) whose "
-                       "decode step is compiled into CUDA graphs on a GPU (engine.py; docs/cost.md) | auto: static on a "
-                       "GPU, eager on CPU")
-    temperature: float = arg(1.0, "rollout temperature (full distribution: top_k=0, top_p=1)")
-    malformed_penalty: float = arg(0.1, "subtracted from a turn's score when its answer is malformed")
     success_reward: float = arg(10.0, "R_i for a won episode")
-    # --- update ----------------------------------------------------------------------------------
+    malformed_penalty: float = arg(0.1, "subtracted from a turn's score when its answer is malformed")
+    # --- update ---
     lr: float = arg(1e-6, "AdamW learning rate (the authors' scripts)")
     lr_warmup_steps: int = arg(0, "linear lr warm-up over a phase's first N optimizer steps (the authors': none)")
     weight_decay: float = arg(0.01, "AdamW weight decay")
@@ -141,36 +124,55 @@ class Config:
     ppo_epochs: int = arg(1, "passes over each iteration's samples")
     mini_batch: Optional[int] = arg(None, "samples per optimizer step, phase 1 and grpo (None: ALFWorld 256, else 64)")
     opd_mini_batch: int = arg(128, "turn-samples per optimizer step in phase 2 with a teacher (both envs)")
-    token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
-    loss_agg: str = arg("exact", "exact: the loss is one token-mean over each mini-batch | authors: the token-means "
-                        "of groups of --micro-batch-rows samples, summed / the accumulation steps (loss_denominators)")
-    micro_batch_rows: int = arg(8, "--loss-agg authors: turn-samples per group (their micro-batch per GPU)")
     kl_coef: float = arg(0.01, "KL-to-reference (k3) coefficient, phase 1 and --algo grpo; 0: no reference model")
     opd_kl_coef: float = arg(0.0, "the same in phase 2 with a teacher (the authors': off, no reference model)")
     entropy_coef: float = arg(0.001, "entropy bonus; 0 skips computing it")
     opd_coef: float = arg(0.01, "lambda: weight of the OPD loss L_OPD (the authors' 0.01); 0 after retirement")
-    gradient_checkpointing: bool = arg(True, "recompute activations in backward (GPU only; saves memory)")
-    logprob_chunk: int = arg(1024, "response positions per lm_head/log-softmax chunk")
-    # --- retirement (the authors' rule and defaults) -------------------------------------------------
+    loss_agg: str = arg("exact", "exact: the loss is one token-mean over each mini-batch | authors: the token-means "
+                        "of groups of --micro-batch-rows samples, summed / the accumulation steps (micro_batch_denominators)")
+    micro_batch_rows: int = arg(8, "--loss-agg authors: turn-samples per group (their micro-batch per GPU)")
+    # --- retirement ---
     window: int = arg(5, "W: the gap K is averaged over non-overlapping blocks of W iterations")
     alignment_threshold: float = arg(0.0, "\"stopped shrinking\": progress (K_prev - K)/K_prev <= this")
     rho: float = arg(0.9, "competence: the student's successes at this and the previous judging validation, "
                      "averaged, >= rho * S_T")
     teacher_success: Optional[float] = arg(None, "S_T; None: recorded at the end of phase 1 (teacher_success_rate)")
-    # --- evaluation & outputs --------------------------------------------------------------------
+    retire_at: Optional[int] = arg(None, "fixed-schedule retirement at this phase-2 iteration (ablation)")
+    # --- evaluation ---
     eval_every: int = arg(5, "validation every N iterations (1 <= N <= W) and at a phase's last iteration")
     eval_temperature: float = arg(0.4, "sampling temperature of validations and the end-of-phase reports")
-    eval_batch: int = arg(256, "episodes per lock-step batch of a validation or report: a panel of n tasks is played "
-                          "in ceil(n / this) batches (the memory estimate counts one)")
     eval_episodes: Optional[int] = arg(None, "cap every panel, for quick checks (ALFWorld: round-robin over task "
                                        "types; WebShop: the first N goals); None = the whole panel")
+    # ===== what only runs the run: data, devices and budgets, outputs ================================
+    alfworld_data: Optional[str] = arg(None, "root with json_2.1.1/ (default $ALFWORLD_DATA, else ~/.cache/alfworld); "
+                                       "\"fixtures\": our own tiny games (the tiny preset's default)")
+    webshop_data: Optional[str] = arg(None, "the official WebShop files (default $WEBSHOP_DATA, else built in)")
+    webshop_reward: str = arg("faithful", "faithful (the original's reward, its option bug kept) | fixed")
+    teacher: Optional[str] = arg(None, "reuse a saved phase-1 teacher folder (skips phase 1)")
+    warm_start: int = arg(0, "tiny only: behaviour-cloning steps that teach the answer format and reading a skill "
+                          "block, on invented dishes (docs/running.md: the offline demo); 0: the random tiny model")
+    # --- devices and memory budgets (how fast, never what is computed) ---
+    device: str = arg("auto", "auto | cuda | cuda:N | cpu")
+    env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
+    sampler: str = arg("eager", "eager: the reference decode loop | static: a static KV cache (bf16 on a GPU) whose "
+                       "decode step is compiled into CUDA graphs on a GPU (engine.py; docs/cost.md) | auto: static on a "
+                       "GPU, eager on CPU")
+    prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
+                             "it times the prompt width, not with B*G); 0: all of them in one forward")
+    eval_batch: int = arg(256, "episodes per lock-step batch of a validation or report: a panel of n tasks is played "
+                          "in ceil(n / this) batches (the memory estimate counts one)")
+    token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
+    logprob_chunk: int = arg(1024, "response positions per lm_head/log-softmax chunk")
+    gradient_checkpointing: bool = arg(True, "recompute activations in backward (GPU only; saves memory)")
+    frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
+                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; docs/choices.md: "
+                            "Precision)")
+    # --- outputs ---
+    run_dir: Optional[str] = arg(None, "output folder (default runs/<env>-<algo>-<time>)")
     save_every: int = arg(10, "resumable checkpoint every N iterations (also at phase ends, retirement; 0: only there)")
     keep_checkpoints: int = arg(2, "how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)")
     report_to: str = arg("none", "none | tensorboard (RUN_DIR/tensorboard) | wandb: a live dashboard of every metrics "
                          "line, evaluation and the retirement (docs/metrics.md); --resume may change it")
-    frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
-                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; docs/choices.md: "
-                            "Precision)")
 
 
 # ==================================================================================================
@@ -257,6 +259,17 @@ def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, 
 # rollout policy, the teacher (on the skill-augmented prompt s_t^T) and the policy being updated.
 
 
+def turn_scores(won: bool, malformed: list, success_reward: float = 10.0, penalty: float = 0.1) -> list:
+    """The score of every turn of one episode, what GRPO normalises.          (paper: the reward)
+
+        R_i = success_reward [episode i won],   r_{i,t} = R_i - penalty [turn t was malformed]
+
+    malformed: one flag per turn. Every turn shares the episode's outcome; a malformed answer costs
+    its own turn only. Returns one float per turn."""
+    episode_reward = success_reward if won else 0.0
+    return [episode_reward - penalty * bool(flag) for flag in malformed]
+
+
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantage of every turn-sample, normalised within its group.      (paper: RL backbone)
 
@@ -275,56 +288,17 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 
     return advantages.float()
 
 
-def turn_scores(won: bool, malformed: list, success_reward: float = 10.0, penalty: float = 0.1) -> list:
-    """The score of every turn of one episode, what GRPO normalises.          (paper: the reward)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False):
+    """log pi of each sampled token, and the entropy, from the logits that predict it.  (paper: every l)
 
-        R_i = success_reward [episode i won],   r_{i,t} = R_i - penalty [turn t was malformed]
-
-    malformed: one flag per turn. Every turn shares the episode's outcome; a malformed answer costs
-    its own turn only. Returns one float per turn."""
-    episode_reward = success_reward if won else 0.0
-    return [episode_reward - penalty * bool(flag) for flag in malformed]
-
-
-def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.Module,
-                   chunk: int = 1024, with_entropy: bool = False):
-    """log pi(token) at response positions only, in chunks of rows.         (paper: every l above)
-
-        l_k = z_k[y_k] - logsumexp(z_k),   z_k = lm_head(h_k)
+        l_k = z_k[y_k] - logsumexp(z_k)
         H_k = logsumexp(z_k) - sum_v softmax(z_k)_v z_{k,v}        (entropy, if asked)
 
-    hidden: (N, H) final hidden states at the N positions that *predict* response tokens; tokens:
-    (N,) the sampled ids. Returns (N,) float32 log-probs (and entropies). With a 151,936-token
-    vocabulary a (batch, seq, vocab) fp32 log-softmax takes gigabytes: here at most `chunk` rows of
-    logits exist at once, recomputed in backward (checkpointed). For logits, pass lm_head=Identity.
-    """
-    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
-
-    def one_chunk(h, y):
-        with torch.autocast(h.device.type, enabled=False):  # fp32 logits even under bf16 autocast
-            if weight is not None and weight.dtype != torch.float32:  # a bf16 frozen model: its
-                logits = torch.nn.functional.linear(h.float(), weight.float(),  # weights, fp32 sums
-                                                    None if bias is None else bias.float())
-            else:
-                logits = lm_head(h.float()).float()
-        log_norm = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - log_norm
-        if not with_entropy:
-            return logp, torch.zeros_like(logp)
-        return logp, log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start:start + chunk], tokens[start:start + chunk]
-        if torch.is_grad_enabled() and h.requires_grad:
-            logp, entropy = torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False)
-        else:
-            logp, entropy = one_chunk(h, y)
-        logps.append(logp)
-        entropies.append(entropy)
-    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
-    entropy = torch.cat(entropies) if entropies else torch.zeros_like(logp)
-    return (logp, entropy) if with_entropy else logp
+    logits: (N, V) fp32 z_k, the output head at the position before token k (sequence_logprobs);
+    tokens: (N,) the sampled ids y_k. Returns (N,) float32 log-probs (and (N,) entropies)."""
+    log_norm = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+    return (logp, log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)) if with_entropy else logp
 
 
 def k3(logp: torch.Tensor, other_logp: torch.Tensor, max_log_ratio: Optional[float] = None) -> torch.Tensor:
@@ -573,9 +547,10 @@ class Retirement:
 # 4. Rollout: B tasks x G episodes, played in lock-step
 # ==================================================================================================
 # At every turn the prompts of all active episodes are answered in one batched call (generate, engine.py: the
-# full distribution at temperature 1), then every environment is stepped (environments.py); each turn is one
+# full distribution, no top-k or top-p), then every environment is stepped (environments.py); each turn is one
 # training sample. The policy's prompt carries skills only in phase 1; in phase 2 the teacher's s_t^T is stored
 # beside it, to score.
+ROLLOUT_TEMPERATURE = 1.0  # fixed: only at 1 are the sampled tokens' log-probs (l^old, K's) those of pi itself
 
 
 @dataclass
@@ -597,23 +572,10 @@ def encode_prompt(tokenizer, user_message: str) -> list:
 
 
 def episode_prompts(tokenizer, episode: EpisodeState, cfg: Config, skill_block: str) -> tuple[list, list, bool]:
-    """(student prompt ids, teacher prompt ids, truncated) for the episode's current turn. A student
-    prompt over max_prompt_tokens drops history pairs, then keeps the observation's tail; the
-    teacher prompt is the same content plus the skill block, never cut."""
-    history, observation, truncated = episode.history[-cfg.history:] if cfg.history else [], \
-        episode.observation, False
-    while True:
-        student = encode_prompt(tokenizer, build_user_message(
-            cfg.env, episode.task, episode.turns, history, observation, episode.admissible))
-        if len(student) <= cfg.max_prompt_tokens:
-            break
-        truncated = True
-        if history:
-            history = history[1:]
-        elif len(observation) > 200:
-            observation = "..." + observation[len(observation) // 2:]
-        else:
-            break  # the admissible list alone is too long: keep it, the budget is advisory here
+    """(s_t, s_t^T, truncated): the student's prompt ids for the episode's current turn, and the teacher's,
+    the same content plus the skill block. A student prompt over --max-prompt-tokens is cut first
+    (prompt_within_budget); the teacher's is never cut further."""
+    student, history, observation, truncated = prompt_within_budget(tokenizer, episode, cfg)
     teacher = encode_prompt(tokenizer, build_user_message(
         cfg.env, episode.task, episode.turns, history, observation, episode.admissible, skill_block)) \
         if skill_block else student
@@ -673,6 +635,74 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
 # ==================================================================================================
 
 
+def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_entropy: bool = False):
+    """Log-probs (and entropies) of each response's tokens given its prompt, one forward pass.
+
+    prompts, responses: lists of token-id lists. The *same* response ids are scored under
+    whichever prompt is given: the student's s_t or the teacher's s_t^T, never re-tokenised text.
+    Sequences are right padded (positions 0..L-1 as in generation), so no attention mask is needed:
+    under causal attention the padding after a sequence's end cannot reach its tokens (the same
+    numbers as with a padding mask, bit for bit, and about 10% faster on CPU). Only the hidden
+    states that predict response tokens go through lm_head. Returns flat tensors over all response
+    tokens, in input order. Gradients flow iff enabled by the caller.
+    """
+    device = next(model.parameters()).device
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    input_ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=device)
+    rows, cols, targets = [], [], []
+    for b, (prompt, response) in enumerate(zip(prompts, responses)):
+        sequence = prompt + response
+        input_ids[b, : len(sequence)] = torch.tensor(sequence, device=device)
+        rows += [b] * len(response)
+        cols += range(len(prompt) - 1, len(sequence) - 1)  # position t predicts token t+1
+        targets += response
+    picked = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    forward = getattr(model, "score_tokens", functools.partial(score_tokens, model))  # (sharded: its own, shard's)
+    return forward(input_ids, picked, torch.tensor(targets, device=device), cfg.logprob_chunk, with_entropy)
+
+
+def score_tokens(model, input_ids: torch.Tensor, picked: tuple, targets: torch.Tensor, chunk: int,
+                 with_entropy: bool):
+    """The scoring forward: the base model over the (batch, length) right-padded inputs (causal, no
+    mask), then the log-probs of `targets` from the hidden states at `picked` (rows, columns), through
+    head_logprobs. When sharded, this is a forward of the sharded model (shard registers it), so FSDP
+    gathers the weights it uses."""
+    with autocast(input_ids.device):
+        hidden = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return head_logprobs(hidden[picked], targets, model.get_output_embeddings(), chunk, with_entropy)
+
+
+def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 1024,
+                  with_entropy: bool = False):
+    """token_logprobs(lm_head(hidden), tokens) in chunks of `chunk` rows, for memory: with a 151,936-token
+    vocabulary a (batch, seq, vocab) fp32 log-softmax takes gigabytes, so at most `chunk` rows of logits
+    exist at once, recomputed in backward (checkpointed). hidden: (N, H) at the N positions that predict
+    response tokens. The logits are fp32 even under bf16 autocast (a bf16 frozen model: its weights, fp32
+    sums). Returns (N,) float32 log-probs (and entropies)."""
+    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+
+    def one_chunk(h, y):
+        with torch.autocast(h.device.type, enabled=False):
+            if weight is not None and weight.dtype != torch.float32:
+                logits = torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
+            else:
+                logits = lm_head(h.float()).float()
+        return token_logprobs(logits, y, with_entropy=True) if with_entropy else (token_logprobs(logits, y), None)
+
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start:start + chunk], tokens[start:start + chunk]
+        checkpointed = torch.is_grad_enabled() and h.requires_grad
+        logp, entropy = (torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False) if checkpointed
+                         else one_chunk(h, y))
+        logps.append(logp)
+        entropies.append(entropy)
+    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+    if not with_entropy:
+        return logp
+    return logp, torch.cat(entropies) if entropies else torch.zeros_like(logp)
+
+
 @torch.no_grad()
 def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = False) -> list:
     """Each sample's response log-probs under `model`, no gradient: l^old (the rollout policy), l^T
@@ -692,12 +722,13 @@ def response_logprobs(model, samples: list, cfg: Config, teacher_prompt: bool = 
 def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Optional[list], cfg: Config, *,
                mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
                teacher_logp: Optional[list] = None, opd_coef: float = 0.0, rng: Optional[random.Random] = None) -> dict:
-    """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch: its
-    combined_loss is the token-mean over the whole mini-batch (--loss-agg authors: the authors' mean of
-    micro-batch token-means, micro_batch_denominators), accumulated over micro-batches of at most
-    cfg.token_budget padded tokens (how these are cut does not change the loss). advantages[i]:
-    (len(y_i),), None for pure OPD; teacher_logp: l^T, None for no OPD term. A non-finite loss or
-    gradient skips its step. Returns the update's metrics."""
+    """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch of
+    `mini_batch` turn-samples (MiniBatches: their response lengths, and the micro-batches of at most
+    cfg.token_budget padded tokens its forward and backward run in). Its combined_loss is the token-mean
+    over the whole mini-batch (--loss-agg authors: the authors' mean of micro-batch token-means,
+    micro_batch_denominators): how the micro-batches are cut does not change the loss. The step guard
+    (step_is_finite): a NaN or infinite loss or gradient norm skips the step. advantages[i]: (len(y_i),),
+    None for pure OPD; teacher_logp: l^T, None for no OPD term. Returns the update's metrics."""
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
     meter = UpdateMeter()  # sums of the loss terms, tokens, gradient norms: for metrics.jsonl (plumbing)
@@ -764,20 +795,19 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     sampler = multigpu.sampling_model(policy) if ddp else policy  # ddp: each rank samples with a whole copy
     samples, _, record = rollout(sampler, tokenizer, suite, tasks, cfg, group_size=cfg.group_size,
                                  skills_in_prompt=skills_in_prompt, with_teacher_prompts=teacher is not None,
-                                 temperature=cfg.temperature, desc=desc)
-    if not samples:  # (every game of the iteration failed to load: the data is broken, not the run)
-        raise SystemExit(f"retireopd: every episode of an iteration ({len(tasks)} tasks x {cfg.group_size}) failed to "
-                         "start: the training split is broken (check --alfworld-data / --webshop-data)")
+                                 temperature=ROLLOUT_TEMPERATURE, desc=desc)
+    refuse_a_broken_split(samples, tasks, cfg)  # (no episode started: the data is broken, not the run)
     # GRPO advantages: each turn's r_{i,t} normalised within its group, repeated over its tokens
     advantages = None
     if grpo_loss:
         group_advantages = grpo_advantages(torch.tensor([s.score for s in samples]),
                                            torch.tensor([s.group for s in samples]))
         advantages = [torch.full((len(s.response_ids),), float(a)) for s, a in zip(samples, group_advantages)]
-    # log-probs of the sampled tokens: l^old (the rollout policy), l^T (the teacher, on s_t^T), the reference
+    # log-probs of the sampled tokens: l^old (the rollout policy), l^T (the teacher, on s_t^T), the reference.
+    # (`timed` adds each stage's seconds to the metrics; sampling_numerics compares l^old with the sampler's)
     with timed(record, "t_old_logp"):
         old_logp = response_logprobs(policy, samples, cfg)
-    record.update(sampling_numerics(samples, old_logp))  # the sampler's log-probs against the scorer's
+    record.update(sampling_numerics(samples, old_logp))
     teacher_logp = ref_logp = None
     if teacher is not None:
         with timed(record, "t_teacher"):
@@ -790,11 +820,9 @@ def train_iteration(policy, optimizer, tokenizer, suite: TaskSuite, cfg: Config,
     # the update: L = L_PPO + kl_coef KL_ref - entropy_coef H + lambda L_OPD (lambda = 0 without a teacher)
     record["opd_coef"] = cfg.opd_coef if teacher is not None else 0.0
     with timed(record, "t_update"):
-        update = ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, mini_batch=mini_batch,
-                            kl_coef=kl_coef, ref_logp=ref_logp, teacher_logp=teacher_logp,
-                            opd_coef=record["opd_coef"], rng=rng)
-    record.update(update)
-    record["train_tokens_per_s"] = record["trained_tokens"] / max(record["t_update"], 1e-9)
+        record.update(ppo_update(policy, optimizer, samples, old_logp, advantages, cfg, mini_batch=mini_batch,
+                                 kl_coef=kl_coef, ref_logp=ref_logp, teacher_logp=teacher_logp,
+                                 opd_coef=record["opd_coef"], rng=rng))
     return record
 
 
@@ -806,19 +834,15 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
     successes. resume: a checkpoint's trainer state; training goes on after its iteration."""
     device = next(policy.parameters()).device
     optimizer = build_adamw(policy, cfg)
-    phase_seed = cfg.seed * 1000 + PHASES.index(phase)
-    rng = random.Random(phase_seed)  # task sampling and mini-batches
-    seed_sampling(phase_seed)  # the rollouts' sampling (torch's generator)
+    rng = phase_rng(cfg.seed, phase)  # task sampling and mini-batches (and it seeds the rollouts' sampling)
     # a distilling phase keeps its protocol after retirement, and when a resume finds the teacher retired
     distilling = retirement is not None or frozen.teacher is not None
     mini_batch, kl_coef = phase_protocol(cfg, distilling)
-    val_successes, start = restore_phase(resume, policy, optimizer, rng, device) if resume else ([], 0)
+    val_successes, start = restore_phase(resume, policy, optimizer, rng) if resume else ([], 0)  # (a resume)
     iterations = phase_iterations(cfg, phase)
     if resume is None and not distilling:  # the starting model, before any update, as the authors' phase-1
         validate(phase, -1, policy, tokenizer, suite, cfg, run, skills_in_prompt)  # and GRPO scripts do
-    bar = progress_bar(range(start, iterations), desc=f"{phase} ({cfg.algo})", initial=start, total=iterations)
-    for iteration in bar:
-        started = start_measuring(device)
+    for iteration in run.measured_iterations(phase, start, iterations, device):  # (time, memory, a progress bar)
         tasks = [rng.choice(suite.train) for _ in range(cfg.batch_tasks)]
         if ddp:  # each rank plays its share: whole GRPO groups
             tasks = multigpu.share_of_tasks(tasks)
@@ -841,12 +865,8 @@ def train_phase(phase: str, policy, tokenizer, suite: TaskSuite, cfg: Config, ru
             run.log_retirement(iteration, retirement, record)
             frozen.release_teacher()
         record.update(teacher_active=teacher_active, retired=bool(retirement and retirement.retired))
-        if retirement is not None:
-            record["teacher_success"] = retirement.teacher_success
-        run.log_iteration(record, started, device)
-        run.checkpoint_phase(policy, tokenizer, phase, iteration, iterations, retired_now, optimizer=optimizer,
-                             rng=rng, val_successes=val_successes, retirement=retirement)
-        bar.set_postfix(progress_postfix(record, val_successes, retirement))
+        run.end_iteration(record, policy, tokenizer, iterations, retired_now, optimizer=optimizer, rng=rng,
+                          val_successes=val_successes, retirement=retirement)  # metrics.jsonl, a checkpoint
     return val_successes
 
 
@@ -856,14 +876,11 @@ def train_teacher(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) 
     policy, tokenizer, resume = models.policy("teacher")
     _, kl_coef = phase_protocol(cfg, distilling=False)
     frozen = FrozenModels(reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
-    run.log_memory_estimate(policy, "phase 1", frozen, skill_tokens=1024)
+    run.log_memory_estimate(policy, "phase 1", frozen)
     validations = train_phase("teacher", policy, tokenizer, suite, cfg, run, skills_in_prompt=True, frozen=frozen,
                               resume=resume)
-    teacher_success = teacher_success_rate(validations)
-    for with_skills in (True, False) if cfg.algo == "skill-grpo" else (True,):  # skill-grpo reports both ways
-        run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, with_skills,
-                                           desc=f"teacher report ({'skills' if with_skills else 'no skills'})"))
-    run.save_teacher(policy, tokenizer, teacher_success, validations)
+    report_teacher(policy, tokenizer, suite, cfg, run)  # the report panel, with skills (skill-grpo: without too)
+    run.save_teacher(policy, tokenizer, teacher_success_rate(validations), validations)
 
 
 def train_student(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader, teacher_success: Optional[float]):
@@ -872,18 +889,18 @@ def train_student(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader, 
     algorithm = ALGORITHMS[cfg.algo]
     policy, tokenizer, resume = models.policy("student")
     retirement = None
-    if algorithm.student_opd:
-        mode = "fixed" if cfg.retire_at is not None else (algorithm.student_retirement or "never")
+    if algorithm.opd:
+        mode = "fixed" if cfg.retire_at is not None else algorithm.retirement
         retirement = Retirement(teacher_success, mode, cfg.window, cfg.alignment_threshold, cfg.rho, cfg.retire_at)
         if resume is not None and resume["retirement"] is not None:  # the rule's whole state, as it was saved
             retirement = Retirement(**resume["retirement"])
-    _, kl_coef = phase_protocol(cfg, distilling=algorithm.student_opd)
+    _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd)
     teacher_needed = retirement is not None and not retirement.retired  # (a resume may find it retired)
     frozen = FrozenModels(teacher=models.teacher(policy, tokenizer) if teacher_needed else None,
                           reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
     run.log_memory_estimate(policy, "phase 2", frozen)
     train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
-                grpo_loss=algorithm.student_grpo, retirement=retirement, resume=resume)
+                grpo_loss=algorithm.grpo, retirement=retirement, resume=resume)
     run.log_report("student", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills_in_prompt=False,
                                        desc="student report"))
     run.save_student(policy, tokenizer, teacher_success, retirement)
@@ -892,17 +909,27 @@ def train_student(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader, 
 def train(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) -> None:
     """The two phases, as ALGORITHMS[cfg.algo] says. A phase whose model is saved is not redone."""
     algorithm = ALGORITHMS[cfg.algo]
-    if algorithm.teacher_phase and not models.teacher_saved():
+    if algorithm.phase_1 and not models.teacher_saved():
         train_teacher(cfg, suite, run, models)
         gc.collect()  # the teacher is saved; its training copy and optimizer leave memory
-    if algorithm.student_phase and "student" not in finished_phases(run.dir):
-        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.student_opd else None
+    if algorithm.phase_2 and "student" not in finished_phases(run.dir):
+        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.opd else None
         train_student(cfg, suite, run, models, teacher_success)
 
 
 ####################################################################################################
-# The method ends here. Below: what one process needs to run it. Evaluation and the phase's bookkeeping,
-# the scoring forward and the update's, loading, the run folder, the command line; none changes the math.
+# The method ends here. Below: what one process needs to run it; none of it changes the math. The method
+# calls these from below, each named for what it does:
+#   the run folder `Run` (`Run.measured_iterations`, `Run.end_iteration`, `Run.log_retirement`,
+#     `Run.log_report`, `Run.log_memory_estimate`, `Run.save_teacher`, `Run.save_student`; `finished_phases`)
+#   the models `ModelLoader` (`ModelLoader.policy`, `ModelLoader.teacher`, `ModelLoader.frozen_copy`,
+#     `ModelLoader.teacher_saved`) and `FrozenModels` (`FrozenModels.release_teacher`)
+#   evaluation `evaluate`, `validate`, `validation_due`, `report_teacher`, `recorded_teacher_success`
+#   the phase's bookkeeping `phase_iterations`, `phase_rng`, `restore_phase`, `prompt_within_budget`,
+#     `refuse_a_broken_split`
+#   meters `RolloutMeter`, `UpdateMeter`, `timed`, `sampling_numerics`
+#   the update's `build_adamw`, `MiniBatches`, `micro_batches`, `step_is_finite`, `set_warmup_lr`,
+#     `stop_if_weights_not_finite`
 ####################################################################################################
 
 
@@ -948,6 +975,26 @@ class RolloutMeter:
                 "prompts_truncated": truncated, "gen_tokens": tokens, "gen_steps": steps, "samples": n_samples,
                 **timers, "gen_tokens_per_s": tokens / max(timers["t_generate"], 1e-9),
                 "gen_ms_per_step": 1000 * timers["t_generate"] / max(steps, 1)}
+
+
+def prompt_within_budget(tokenizer, episode: EpisodeState, cfg: Config) -> tuple[list, list, str, bool]:
+    """(student prompt ids, the history and observation it shows, truncated): the last --history pairs and the
+    observation, cut while the prompt is over --max-prompt-tokens: the oldest pair first, then the first half
+    of a long observation (the admissible list alone may exceed the budget: it is kept, the budget is advisory)."""
+    history, observation, truncated = episode.history[-cfg.history:] if cfg.history else [], \
+        episode.observation, False
+    while True:
+        student = encode_prompt(tokenizer, build_user_message(
+            cfg.env, episode.task, episode.turns, history, observation, episode.admissible))
+        if len(student) <= cfg.max_prompt_tokens:
+            return student, history, observation, truncated
+        truncated = True
+        if history:
+            history = history[1:]
+        elif len(observation) > 200:
+            observation = "..." + observation[len(observation) // 2:]
+        else:
+            return student, history, observation, truncated
 
 
 def evaluate(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, skills_in_prompt: bool, desc: str) -> dict:
@@ -999,7 +1046,7 @@ def phase_iterations(cfg: Config, phase: str) -> int:
 def steps_before_phases(cfg: Config) -> dict:
     """{phase: the iterations run before it}: both phases on one axis (a dashboard's steps, as the plot
     draws them); phase 2 starts at 0 without a phase 1 (--algo grpo)."""
-    return {"teacher": 0, "student": phase_iterations(cfg, "teacher") if ALGORITHMS[cfg.algo].teacher_phase else 0}
+    return {"teacher": 0, "student": phase_iterations(cfg, "teacher") if ALGORITHMS[cfg.algo].phase_1 else 0}
 
 
 def validation_due(cfg: Config, iteration: int, iterations: int) -> bool:
@@ -1035,27 +1082,32 @@ def timed(record: dict, key: str):
         record[key] = record.get(key, 0.0) + time.perf_counter() - start
 
 
-def start_measuring(device: torch.device) -> float:
-    """An iteration starts: reset the peak-memory counter; returns the start time."""
-    memory.reset_peak_memory(device)
-    return time.perf_counter()
-
-
-def seed_sampling(phase_seed: int) -> None:
-    """Seed torch's generator, which the rollouts sample from: per phase, and under torchrun per rank (each
-    plays other episodes)."""
+def phase_rng(seed: int, phase: str) -> random.Random:
+    """A phase's task-sampling and mini-batch RNG, from --seed and the phase. It also seeds torch's generator,
+    which the rollouts sample from (under torchrun per rank: each plays other episodes)."""
+    phase_seed = seed * 1000 + PHASES.index(phase)
     torch.manual_seed(phase_seed + (100_000 * multigpu.rank() if ddp else 0))
+    return random.Random(phase_seed)
 
 
-def progress_bar(iterations: range, desc: str, initial: int, total: int):
-    """A phase's progress bar (under torchrun rank 0's alone)."""
-    return tqdm(iterations, desc=desc, dynamic_ncols=True, initial=initial, total=total,
-                disable=ddp and not multigpu.main_process())
+def refuse_a_broken_split(samples: list, tasks: list, cfg: Config) -> None:
+    """An iteration none of whose episodes started (every game failed to load): the data is broken, not the run."""
+    if not samples:
+        raise SystemExit(f"retireopd: every episode of an iteration ({len(tasks)} tasks x {cfg.group_size}) failed to "
+                         "start: the training split is broken (check --alfworld-data / --webshop-data)")
 
 
-def restore_phase(resume: dict, policy, optimizer, rng: random.Random, device: torch.device) -> tuple[list, int]:
+def report_teacher(policy, tokenizer, suite: TaskSuite, cfg: Config, run: Run) -> None:
+    """Phase 1's end: the teacher on the report panel with skills (--algo skill-grpo: and without them)."""
+    for with_skills in (True, False) if cfg.algo == "skill-grpo" else (True,):
+        run.log_report("teacher", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, with_skills,
+                                           desc=f"teacher report ({'skills' if with_skills else 'no skills'})"))
+
+
+def restore_phase(resume: dict, policy, optimizer, rng: random.Random) -> tuple[list, int]:
     """Continue a phase from a checkpoint's trainer state: AdamW's moments, the task-sampling and
     sampling RNGs. Returns (validation successes so far, the iteration to go on from)."""
+    device = next(policy.parameters()).device
     multigpu.load_optimizer_state(policy, optimizer, resume.pop("optimizer"))  # pop: no second copy of the moments
     rng.setstate(resume["python_rng"])
     set_rng_state(resume["rng"], device)
@@ -1076,14 +1128,14 @@ def progress_postfix(record: dict, val_successes: list, retirement: Optional[Ret
 def recorded_teacher_success(cfg: Config, teacher_dir: Path) -> float:
     """S_T for phase 2: recorded beside the teacher at the end of phase 1, or --teacher-success.
     S_T = 0 stops the run here for the adaptive rule: its competence test cannot be judged."""
-    if problem := checks.teacher_folder_problem(teacher_dir, cfg.env):  # (damaged since the run started)
+    if problem := model_sources.teacher_folder_problem(teacher_dir, cfg.env):  # (damaged since the run started)
         raise SystemExit(f"retireopd: {problem}")
     stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
     teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
     print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
           + (f" (--teacher-success; recorded {stored:.3f})" if cfg.teacher_success is not None else
              " (mean of its last two validations)"))
-    if teacher_success <= 0 and ALGORITHMS[cfg.algo].student_retirement == "adaptive" and cfg.retire_at is None:
+    if teacher_success <= 0 and ALGORITHMS[cfg.algo].retirement == "adaptive" and cfg.retire_at is None:
         raise SystemExit(f"retireopd: S_T = 0 (the teacher in {teacher_dir} never won a validation task), "
                          "so the competence test cannot be judged: set --teacher-success S, or retire on a "
                          "fixed schedule with --retire-at N")
@@ -1117,10 +1169,10 @@ class ModelLoader:
         if cfg.model == "tiny" and cfg.warm_start > 0:
             self.base = warm_started_tiny_base(run, device, cfg.warm_start)
         self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
-        if self.teacher_dir.is_dir() and (problem := checks.teacher_folder_problem(self.teacher_dir, cfg.env)):
+        if self.teacher_dir.is_dir() and (problem := model_sources.teacher_folder_problem(self.teacher_dir, cfg.env)):
             raise SystemExit(f"retireopd: {problem}: restore that folder from a copy, or start a new run (a resume "
                              "never redoes phase 1 behind a student's checkpoints)")
-        if not cfg.teacher and (problem := checks.foreign_teacher_problem(self.teacher_dir, run.run_id)):
+        if not cfg.teacher and (problem := model_sources.foreign_teacher_problem(self.teacher_dir, run.run_id)):
             raise SystemExit(f"retireopd: {problem}")
 
     def teacher_saved(self) -> bool:
@@ -1142,7 +1194,7 @@ class ModelLoader:
     def teacher(self, student, tokenizer) -> torch.nn.Module:
         """The frozen teacher, once it is checked to score the student's tokens (teacher_fit_problem)."""
         teacher = self.frozen_copy(self.teacher_dir)
-        if problem := checks.teacher_fit_problem(teacher, self.teacher_dir, student, tokenizer):
+        if problem := model_sources.teacher_fit_problem(teacher, self.teacher_dir, student, tokenizer):
             raise SystemExit(f"retireopd: {problem}: a teacher must be trained from the student's base model "
                              f"(--model {self.cfg.model}), as phase 1 does")
         return teacher
@@ -1156,50 +1208,9 @@ class ModelLoader:
 
 
 # ==================================================================================================
-# 8. The scoring forward, and the update's bookkeeping
+# 8. The update's bookkeeping: micro-batches, the step guard, AdamW, the RNG streams
 # ==================================================================================================
-# The update's model call (sequence_logprobs; the rollout's, generate, is in engine.py), the micro-batches it
-# runs in, and what ppo_update keeps and checks around it.
-
-
-def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_entropy: bool = False):
-    """Log-probs (and entropies) of each response's tokens given its prompt, one forward pass.
-
-    prompts, responses: lists of token-id lists. The *same* response ids are scored under
-    whichever prompt is given: the student's s_t or the teacher's s_t^T, never re-tokenised text.
-    Sequences are right padded (positions 0..L-1 as in generation), so no attention mask is needed:
-    under causal attention the padding after a sequence's end cannot reach its tokens (the same
-    numbers as with a padding mask, bit for bit, and about 10% faster on CPU). Only the hidden
-    states that predict response tokens go through lm_head. Returns flat tensors over all response
-    tokens, in input order. Gradients flow iff enabled by the caller.
-    """
-    device = next(model.parameters()).device
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    input_ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=device)
-    rows, cols, targets = [], [], []
-    for b, (prompt, response) in enumerate(zip(prompts, responses)):
-        sequence = prompt + response
-        input_ids[b, : len(sequence)] = torch.tensor(sequence, device=device)
-        rows += [b] * len(response)
-        cols += range(len(prompt) - 1, len(sequence) - 1)  # position t predicts token t+1
-        targets += response
-    picked = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    forward = model.score_tokens if multigpu.sharded(model) else functools.partial(score_tokens, model)
-    scored = forward(input_ids, picked, torch.tensor(targets, device=device), cfg.logprob_chunk, with_entropy)
-    if multigpu.sharded(model) and not torch.is_grad_enabled():  # no backward follows: FSDP would keep the root's
-        model.reshard()  # weights gathered, and a later training step reduced wrong gradients for them
-    return scored
-
-
-def score_tokens(model, input_ids: torch.Tensor, picked: tuple, targets: torch.Tensor, chunk: int,
-                 with_entropy: bool):
-    """The scoring forward: the base model over the (batch, length) right-padded inputs (causal, no
-    mask), then token_logprobs of `targets` from the hidden states at `picked` (rows, columns). When
-    sharded, this is a forward of the sharded model (shard registers it), so FSDP gathers the weights
-    it uses."""
-    with autocast(input_ids.device):
-        hidden = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-        return token_logprobs(hidden[picked], targets, model.get_output_embeddings(), chunk, with_entropy)
+# The micro-batches the scoring forward (section 5) runs in, and what ppo_update keeps and checks around it.
 
 
 def make_micro_batches(lengths: list, token_budget: int) -> list:
@@ -1419,8 +1430,8 @@ def load_policy(name: str, device: torch.device, dtype: torch.dtype, seed: int =
         model = tiny.build_model(name, dtype, seed, tokenizer)
     else:
         path = resolve_model_name(name)
-        cached_only = checks.from_the_cache_only(path)
-        try:  # never a pickle, never code from the model's folder (checks.saved_model_problem refuses auto_map)
+        cached_only = model_sources.from_the_cache_only(path)
+        try:  # never a pickle, never code from the model's folder (model_sources.saved_model_problem refuses auto_map)
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only,
                                                                    trust_remote_code=False)
             model, loaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -1518,7 +1529,7 @@ class Run:
     run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
     run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
 
-    What a resume reads back is below it (resumable_checkpoint, finished_phases; checks.truncate_logs drops
+    What a resume reads back is below it (resumable_checkpoint, finished_phases; repairs.truncate_logs drops
     the log lines it redoes). Under torchrun, rank 0 alone writes: every rank calls the same methods
     (saving a sharded model gathers its weights from all of them), and rank 0 writes what they gathered.
     """
@@ -1531,7 +1542,7 @@ class Run:
         run_id = None
         if multigpu.main_process():
             self.dir.mkdir(parents=True, exist_ok=True)
-            run_id = checks.run_identity(self.dir, cfg, inputs)["run_id"]
+            run_id = run_folder.run_identity(self.dir, cfg, inputs)["run_id"]
             write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         self.run_id = multigpu.broadcast(run_id)
         self.started = self.lap_started = time.time()
@@ -1546,7 +1557,7 @@ class Run:
         try:
             append_line(self.dir / name, json.dumps(record, allow_nan=False))
         except OSError as error:
-            raise SystemExit(checks.write_failure(self.dir, name, error)) from None
+            raise SystemExit(repairs.write_failure(self.dir, name, error)) from None
         if self.tracker is not None:
             self.tracker.log(name, record)
 
@@ -1585,11 +1596,11 @@ class Run:
         except (OSError, RuntimeError, SafetensorError) as error:  # torch says "unexpected pos" on a full disk
             with contextlib.suppress(OSError):  # what was saved before stays as it was
                 remove_entry(tmp, self.dir)
-            raise SystemExit(checks.write_failure(self.dir, name, error)) from None
+            raise SystemExit(repairs.write_failure(self.dir, name, error)) from None
         try:
             rename_entry(tmp, final, self.dir)
         except OSError as error:  # (a link planted above it since the start: nothing is renamed through it)
-            raise SystemExit(checks.write_failure(self.dir, name, error)) from None
+            raise SystemExit(repairs.write_failure(self.dir, name, error)) from None
         fsync_path(final.parent)  # the new name is durable before anything older is deleted
         return final
 
@@ -1602,24 +1613,50 @@ class Run:
             (self.dir / "checkpoints").mkdir(exist_ok=True)
             fsync_logs(self.dir)
         self.save_model(model, tokenizer, name, {"config": dataclasses.asdict(self.cfg)},
-                        {**state, "run_id": self.run_id, "tokenizer": checks.tokenizer_fingerprint(tokenizer)}, None)
+                        {**state, "run_id": self.run_id, "tokenizer": model_sources.tokenizer_fingerprint(tokenizer)},
+                        None)
         for old in checkpoint_folders(self.dir)[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
             remove_entry(old, self.dir)
 
-    def log_iteration(self, record: dict, started: float, device: torch.device) -> None:
+    def measured_iterations(self, phase: str, start: int, iterations: int, device: torch.device):
+        """A phase's iterations from `start`, under a progress bar (under torchrun rank 0's alone); each starts
+        the iteration's clock and resets the peak-memory gauge (end_iteration reads both)."""
+        self.bar = tqdm(range(start, iterations), desc=f"{phase} ({self.cfg.algo})", dynamic_ncols=True,
+                        initial=start, total=iterations, disable=ddp and not multigpu.main_process())
+        for iteration in self.bar:
+            memory.reset_peak_memory(device)
+            self.iteration_started, self.device = time.perf_counter(), device
+            yield iteration
+
+    def end_iteration(self, record: dict, model, tokenizer, iterations: int, retired_now: bool, *, optimizer,
+                      rng: random.Random, val_successes: list, retirement: Optional[Retirement]) -> None:
+        """An iteration's end: its metrics.jsonl line (with S_T in phase 2, the update's tokens per second),
+        a checkpoint when one is due (checkpoint_phase), the progress bar's numbers."""
+        if retirement is not None:
+            record["teacher_success"] = retirement.teacher_success
+        record["train_tokens_per_s"] = record["trained_tokens"] / max(record["t_update"], 1e-9)
+        self.log_iteration(record)
+        self.checkpoint_phase(model, tokenizer, record["phase"], record["iteration"], iterations, retired_now,
+                              optimizer=optimizer, rng=rng, val_successes=val_successes, retirement=retirement)
+        self.bar.set_postfix(progress_postfix(record, val_successes, retirement))
+
+    def log_iteration(self, record: dict) -> None:
         """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after
         a check that every rank fed the retirement rule the same numbers and took the same decision."""
-        record["t_iteration"] = multigpu.max_over_ranks(time.perf_counter() - started)
-        record["peak_mem_gb"] = multigpu.max_over_ranks(memory.peak_memory_gb(device))
+        record["t_iteration"] = multigpu.max_over_ranks(time.perf_counter() - self.iteration_started)
+        record["peak_mem_gb"] = multigpu.max_over_ranks(memory.peak_memory_gb(self.device))
         rules = multigpu.gather_objects({key: record.get(key)
                                          for key in ("gap", "val_success", "teacher_active", "retired")})
         if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)
             raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {rules}")
         self.log("metrics.jsonl", record)
-        self.skipped_streak = checks.note_skipped_steps(record, self.skipped_streak)
+        self.skipped_streak = repairs.note_skipped_steps(record, self.skipped_streak)
 
-    def log_memory_estimate(self, policy, phase: str, frozen: FrozenModels, skill_tokens: int = 0) -> None:
-        """Print and log the memory estimate of a phase, before it allocates anything heavy (memory.py)."""
+    def log_memory_estimate(self, policy, phase: str, frozen: FrozenModels, skill_tokens: Optional[int] = None):
+        """Print and log the memory estimate of a phase, before it allocates anything heavy (memory.py); phase 1's
+        prompts carry a skill block (room for memory.SKILL_BLOCK_TOKENS, unless skill_tokens says)."""
+        if skill_tokens is None:
+            skill_tokens = memory.SKILL_BLOCK_TOKENS if phase == "phase 1" else 0
         n_frozen = sum(model is not None for model in (frozen.teacher, frozen.reference))
         estimate = memory.print_memory_estimate(policy, self.cfg, phase, n_frozen, skill_tokens)
         self.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": estimate,
@@ -1681,13 +1718,13 @@ class Run:
 def resumable_checkpoint(run: Run) -> tuple[Optional[Path], Optional[dict]]:
     """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a file cut
     short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a note, and the
-    one before it is tried (checks.first_resumable_checkpoint). Under torchrun rank 0 chooses, and every
+    one before it is tried (repairs.first_resumable_checkpoint). Under torchrun rank 0 chooses, and every
     rank loads it."""
     if not multigpu.main_process():
         name = multigpu.broadcast(None)
         folder = None if name is None else run.dir / "checkpoints" / name
         return (None, None) if folder is None else (folder, read_trainer_state(folder))
-    folder, state = checks.first_resumable_checkpoint(run.dir, run.run_id)
+    folder, state = repairs.first_resumable_checkpoint(run.dir, run.run_id)
     multigpu.broadcast(folder.name if folder else None)
     return folder, state
 
@@ -1810,23 +1847,23 @@ def parse_config(given: dict) -> Config:
         values.pop("teacher_iterations", None)  # --iterations N alone sets both phases
     values.update(given)
     cfg = Config(**values)
-    if "retire_at" in values and values["retire_at"] == "half":  # see TINY_PRESET_ELSEWHERE
-        cfg.retire_at = max(1, cfg.iterations // 2) if cfg.algo == "retireopd" and cfg.teacher_success is None else None
+    if cfg.model == "tiny" and cfg.env != "kitchen" and "retire_at" not in given:
+        cfg.retire_at = tiny.retire_halfway(cfg.iterations, cfg.algo, cfg.teacher_success)  # (it never wins there)
     alfworld = cfg.env == "alfworld"
-    checks.resolve_data_folders(cfg)
+    settings.resolve_data_folders(cfg)
     cfg.max_turns = (50 if alfworld else 15) if cfg.max_turns is None else cfg.max_turns  # (0 is refused below)
     cfg.max_prompt_tokens = (2048 if alfworld else 4096) if cfg.max_prompt_tokens is None else cfg.max_prompt_tokens
     cfg.mini_batch = (256 if alfworld else 64) if cfg.mini_batch is None else cfg.mini_batch
     if cfg.run_dir is None:
         cfg.run_dir = str(Path("runs") / f"{cfg.env}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-    checks.validate_config(cfg, ALGORITHMS)
+    settings.validate_config(cfg, ALGORITHMS)
     return cfg
 
 
 def resume_config(run_dir: str, given: dict) -> Config:
-    """The Config of the run being resumed (checks.saved_settings: flags that contradict it are an error)."""
-    cfg = Config(**checks.saved_settings(run_dir, given, {f.name: f.type for f in dataclasses.fields(Config)}))
-    checks.validate_config(cfg, ALGORITHMS, notes=False)
+    """The Config of the run being resumed (settings.saved_settings: flags that contradict it are an error)."""
+    cfg = Config(**settings.saved_settings(run_dir, given, {f.name: f.type for f in dataclasses.fields(Config)}))
+    settings.validate_config(cfg, ALGORITHMS, notes=False)
     return cfg
 
 
@@ -1836,7 +1873,7 @@ def show_prompts(cfg: Config) -> None:
     model reads them. Nothing is written to the run folder, and no model is loaded: only the tokenizer."""
     import tempfile
     with tempfile.TemporaryDirectory() as scratch:  # (ALFWorld's fixture games are written there)
-        suite = checks.open_task_suite(dataclasses.replace(cfg, run_dir=scratch))
+        suite = settings.open_task_suite(dataclasses.replace(cfg, run_dir=scratch))
         task = suite.validation_panel[0]
         episode = EpisodeState(suite.new_episode(task), group=0)
         start_episodes([episode])
@@ -1844,7 +1881,7 @@ def show_prompts(cfg: Config) -> None:
             tokenizer = tiny.build_tiny_tokenizer(prompt_format())
         else:
             path = resolve_model_name(cfg.model)
-            cached_only = checks.from_the_cache_only(path)
+            cached_only = model_sources.from_the_cache_only(path)
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=cached_only,
                                                                    trust_remote_code=False)
         student, teacher, _ = episode_prompts(tokenizer, episode, cfg, skill_text(cfg.env, episode.task_type))
@@ -1857,7 +1894,7 @@ def show_prompts(cfg: Config) -> None:
 
 def main(argv: Optional[list] = None) -> Optional[Path]:
     args = vars(build_parser().parse_args(argv))
-    if problem := checks.path_flag_problem(args):  # an empty path (an unset variable), a file to resume ...
+    if problem := settings.path_flag_problem(args):  # an empty path (an unset variable), a file to resume ...
         raise SystemExit(f"retireopd: {problem}")
     resume_dir, plot_dir, compare = args.pop("resume"), args.pop("plot"), args.pop("compare")
     if plot_dir or compare:
@@ -1873,25 +1910,26 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     prompts_only = args.pop("show_prompts")
     cfg = resume_config(resume_dir, args) if resume_dir else parse_config(args)
     if prompts_only:
-        if problem := checks.model_source_problem(cfg.model):
+        if problem := model_sources.model_source_problem(cfg.model):
             raise SystemExit(f"retireopd: {problem}")
         show_prompts(cfg)
         return None
     if resume_dir and any(e.get("event") == "done" for e in read_jsonl(Path(resume_dir) / "events.jsonl")):
         print(f"[retireopd] {resume_dir} already finished: nothing to resume (its outputs are there)")
         return Path(resume_dir)
-    if problem := checks.model_source_problem(cfg.model):  # before the data and before anything is written
+    if problem := model_sources.model_source_problem(cfg.model):  # before the data and before anything is written
         raise SystemExit(f"retireopd: {problem}")
     if problem := dashboards.Tracker.problem(cfg.report_to):
         raise SystemExit(f"retireopd: {problem}")
     # one process per run folder: rank 0 locks it (under torchrun the other ranks wait in start_processes)
-    created = checks.check_run_folder(cfg.run_dir, resuming=bool(resume_dir)) if multigpu.main_process() else []
+    created = run_folder.check_run_folder(cfg.run_dir, resuming=bool(resume_dir)) if multigpu.main_process() else []
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = multigpu.start_processes(cfg)  # the device; under torchrun also the process group
     use_tf32_head(device)  # (the fp32 output head on a GPU's tensor cores: engine.py)
-    suite = checks.open_task_suite(cfg, created)  # data problems surface here, in one line, before any model is loaded
-    run = Run(cfg, checks.run_inputs(cfg, suite))
+    # data problems surface here, in one line, before any model is loaded
+    suite = settings.open_task_suite(cfg, created)
+    run = Run(cfg, run_folder.run_inputs(cfg, suite))
     # the newest whole checkpoint (the optimizer state moves to the GPU when it is loaded into AdamW);
     # none: interrupted before its first checkpoint, start over. What is redone leaves the logs first.
     checkpoint, state = resumable_checkpoint(run) if resume_dir else (None, None)
@@ -1899,16 +1937,16 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         raise SystemExit(f"retireopd: {checkpoint} was written by {state.get('world_size', 1)} process(es): resume "
                          f"it with as many (torchrun --nproc_per_node {state.get('world_size', 1)}, or python for 1)")
     algorithm, last_iterations = ALGORITHMS[cfg.algo], {p: phase_iterations(cfg, p) - 1 for p in PHASES}
-    if state and algorithm.student_opd and (problem := checks.lost_teacher_problem(
+    if state and algorithm.opd and (problem := repairs.lost_teacher_problem(
             run.dir, checkpoint, state, Path(cfg.teacher) if cfg.teacher else run.dir / "teacher")):
         raise SystemExit(f"retireopd: {problem}")
     if resume_dir:
         if multigpu.main_process():  # (-2: nothing done; -1 is the validation before training)
-            checks.truncate_logs(run.dir, state["phase"] if state else PHASES[0], state["iteration"] if state else -2,
+            repairs.truncate_logs(run.dir, state["phase"] if state else PHASES[0], state["iteration"] if state else -2,
                                  finished_phases(run.dir), last_iterations)
-            trained = tuple(p for p, runs in zip(PHASES, (algorithm.teacher_phase and not cfg.teacher,
-                                                          algorithm.student_phase)) if runs)
-            if state and (hole := checks.log_holes(run.dir, trained, state["phase"], state["iteration"],
+            trained = tuple(p for p, runs in zip(PHASES, (algorithm.phase_1 and not cfg.teacher,
+                                                          algorithm.phase_2)) if runs)
+            if state and (hole := repairs.log_holes(run.dir, trained, state["phase"], state["iteration"],
                                                    last_iterations)):
                 print(hole)
         run.log("events.jsonl", {"event": "resume", "checkpoint": checkpoint.name if checkpoint else None})
@@ -1936,7 +1974,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     multigpu.stop_processes()
     if not multigpu.main_process():
         return run.dir
-    checks.release_run_folders()
+    run_folder.release_run_folders()
     plot = dashboards.plot_runs([run.dir])
     print(f"[retireopd] summary: {dashboards.run_summary(run.dir)}")
     split = ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in run.laps.items())

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import checks
 import kitchen_env
+import model_sources
+import repairs
 import retireopd as R
+import run_folder
 import webshop_env
 from conftest import (
     small_cfg, QUICK, run_cli, phases, comparable, crash_instead_of_saving, one_line_refusal,
@@ -147,6 +149,13 @@ def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     said = capsys.readouterr().out
     assert said == f"[retireopd] {run_dir} already finished: nothing to resume (its outputs are there)\n"
     assert folder_snapshot(run_dir) == before  # no second evaluation, no second `done`
+    # an older version's config.json held the rollout temperature, which could only be 1: still this version's
+    saved = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**saved, "temperature": 1.0}))
+    assert R.main(["--resume", str(run_dir)]) == run_dir
+    (run_dir / "config.json").write_text(json.dumps({**saved, "temperature": 0.7}))
+    with pytest.raises(SystemExit, match=r"settings this version of retireopd.py does not know \(temperature\)"):
+        R.main(["--resume", str(run_dir)])
 
 
 @pytest.mark.slow
@@ -229,12 +238,12 @@ def test_read_jsonl_skips_lines_that_are_json_but_not_records_of_the_log(tmp_pat
 def test_saved_model_problem_finds_a_half_written_safetensors_file(tiny, tmp_path):
     model, tok = tiny
     folder = R.Run(small_cfg(run_dir=str(tmp_path))).save_model(model, tok, "student")
-    assert checks.saved_model_problem(folder) is None
+    assert model_sources.saved_model_problem(folder) is None
     cut_in_half(folder / "model.safetensors")
-    assert "model.safetensors is cut short" in checks.saved_model_problem(folder)
+    assert "model.safetensors is cut short" in model_sources.saved_model_problem(folder)
     with open(folder / "model.safetensors", "r+b") as f:  # cut inside its header
         f.truncate(20)
-    assert "header is incomplete" in checks.saved_model_problem(folder)
+    assert "header is incomplete" in model_sources.saved_model_problem(folder)
 
 
 def test_unwritable_run_folders_are_one_line_errors_before_anything_runs(tmp_path):
@@ -279,7 +288,7 @@ def test_a_read_only_disk_is_a_one_line_error(tmp_path):
 FULL_DISK_DRIVER = """
 import json, os, resource, signal, sys
 from pathlib import Path
-import checks
+import model_sources
 import retireopd as R
 run_dir, how, summary, flags = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 ballast, soft_limit = run_dir.parent / "ballast", resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -313,7 +322,7 @@ try:
 except SystemExit as stop:
     message = str(stop.code)
 left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-kept_whole = all(checks.saved_model_problem(run_dir / "checkpoints" / name) is None for name in left)
+kept_whole = all(model_sources.saved_model_problem(run_dir / "checkpoints" / name) is None for name in left)
 ballast.unlink(missing_ok=True)  # make room again, then resume
 resource.setrlimit(resource.RLIMIT_FSIZE, soft_limit)
 R.main(["--resume", str(run_dir)])
@@ -388,7 +397,7 @@ def test_truncate_logs_drops_every_log_line_after_the_checkpoint(tmp_path):
             run.log("eval.jsonl", {"phase": phase, "iteration": k})
     for k in (0, 2):
         run.log("events.jsonl", {"event": "retirement", "decided_after_iteration": k})
-    checks.truncate_logs(tmp_path, "student", 1, finished=(), last_iterations={"teacher": 2, "student": 2})
+    repairs.truncate_logs(tmp_path, "student", 1, finished=(), last_iterations={"teacher": 2, "student": 2})
     kept = [("teacher", 0), ("teacher", 1), ("teacher", 2), ("student", 0), ("student", 1)]
     for name in ("metrics.jsonl", "eval.jsonl"):
         assert [(r["phase"], r["iteration"]) for r in R.read_jsonl(tmp_path / name)] == kept, name
@@ -533,11 +542,11 @@ def test_a_resume_refuses_a_model_folder_whose_weights_changed(tmp_path, monkeyp
 
 
 def test_a_trainer_state_must_hold_what_a_checkpoint_writes():
-    whole = {key: 0 for key in checks.TRAINER_STATE_KEYS} | {"phase": "student", "optimizer": {}, "val_successes": []}
-    assert checks.trainer_state_problem(whole) is None
-    assert "lacks run_id" in checks.trainer_state_problem({k: v for k, v in whole.items() if k != "run_id"})
-    assert "names no iteration" in checks.trainer_state_problem({**whole, "phase": "x"})
-    assert "holds a list" in checks.trainer_state_problem([1, 2])
+    whole = {key: 0 for key in repairs.TRAINER_STATE_KEYS} | {"phase": "student", "optimizer": {}, "val_successes": []}
+    assert repairs.trainer_state_problem(whole) is None
+    assert "lacks run_id" in repairs.trainer_state_problem({k: v for k, v in whole.items() if k != "run_id"})
+    assert "names no iteration" in repairs.trainer_state_problem({**whole, "phase": "x"})
+    assert "holds a list" in repairs.trainer_state_problem([1, 2])
 
 
 @pytest.mark.slow
@@ -665,14 +674,14 @@ def test_a_non_finite_model_is_neither_loaded_nor_saved_and_logs_hold_no_nan(tmp
 
 def test_iterations_whose_every_step_is_skipped_are_said_and_three_in_a_row_stop(capsys):
     skipped = {"phase": "student", "optimizer_steps": 0, "skipped_steps": 2}
-    streak = checks.note_skipped_steps({**skipped, "iteration": 0}, 0)
+    streak = repairs.note_skipped_steps({**skipped, "iteration": 0}, 0)
     assert streak == 1 and "student iteration 0: all 2 optimizer steps were skipped" in capsys.readouterr().out
-    streak = checks.note_skipped_steps({**skipped, "iteration": 1, "optimizer_steps": 1}, streak)  # a step taken
+    streak = repairs.note_skipped_steps({**skipped, "iteration": 1, "optimizer_steps": 1}, streak)  # a step taken
     assert streak == 0  # the count restarts
-    streak = checks.note_skipped_steps({**skipped, "iteration": 2}, streak)
-    streak = checks.note_skipped_steps({**skipped, "iteration": 3}, streak)
+    streak = repairs.note_skipped_steps({**skipped, "iteration": 2}, streak)
+    streak = repairs.note_skipped_steps({**skipped, "iteration": 3}, streak)
     with pytest.raises(SystemExit, match="3 iterations in a row \\(up to student iteration 4\\)"):
-        checks.note_skipped_steps({**skipped, "iteration": 4}, streak)
+        repairs.note_skipped_steps({**skipped, "iteration": 4}, streak)
 
 
 # --- a broken game; the teacher; signals; the remaining tracebacks -----------------------------------
@@ -795,18 +804,19 @@ def test_a_model_loads_whole_or_not_at_all(tmp_path, capsys):
         return folder
 
     lacking = saved("lacking", lambda w: w.pop("model.layers.1.self_attn.q_proj.weight"))
-    assert "its weights lack model.layers.1.self_attn.q_proj.weight" in checks.saved_model_problem(lacking)
+    assert "its weights lack model.layers.1.self_attn.q_proj.weight" in model_sources.saved_model_problem(lacking)
     extra = saved("extra", lambda w: w.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(2, 2)}))
     assert "hold tensors this model does not have: model.layers.2.mlp.up_proj.weight" in \
-        checks.saved_model_problem(extra)
+        model_sources.saved_model_problem(extra)
     wrong = saved("wrong", lambda w: w.update({"model.norm.weight": torch.ones(3)}))
-    assert "of another shape than its config.json's: model.norm.weight" in checks.saved_model_problem(wrong)
+    assert "of another shape than its config.json's: model.norm.weight" in model_sources.saved_model_problem(wrong)
     config = json.loads((saved("other", lambda w: None) / "config.json").read_text())  # another architecture
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3,
                                                                 "layer_types": ["full_attention"] * 3}))
-    assert "its weights lack model.layers.2." in checks.saved_model_problem(tmp_path / "other")
+    assert "its weights lack model.layers.2." in model_sources.saved_model_problem(tmp_path / "other")
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))  # (invalid)
-    assert "its config.json does not describe a causal language model" in checks.saved_model_problem(tmp_path / "other")
+    assert "its config.json does not describe a causal language model" in model_sources.saved_model_problem(
+        tmp_path / "other")
     one_line_refusal(QUICK + [*GRPO, "--model", str(lacking), "--run-dir", str(tmp_path / "r")],
                      "its weights lack model.layers.1.self_attn.q_proj.weight")
     with pytest.raises(SystemExit, match="not the whole model its config.json describes"):  # (the load's own check)
@@ -836,10 +846,11 @@ def test_a_bad_stored_S_T_is_a_damaged_teacher_in_one_line(tmp_path, stored, sai
 def test_a_cut_retireopd_json_is_reported_as_damaged_not_missing(tmp_path):
     teacher = save_teacher(tmp_path / "t")
     (teacher / "retireopd.json").write_text('{"teacher_succ')
-    assert "retireopd.json is damaged (JSONDecodeError)" in checks.teacher_folder_problem(teacher, "webshop")
+    assert "retireopd.json is damaged (JSONDecodeError)" in model_sources.teacher_folder_problem(teacher, "webshop")
     (teacher / "model.safetensors").unlink()  # a teacher folder that is not a model
     (teacher / "retireopd.json").write_text(json.dumps({"teacher_success": 0.5, "env": "webshop"}))
-    assert "is not a whole model folder (no .safetensors weights)" in checks.teacher_folder_problem(teacher, "webshop")
+    assert "is not a whole model folder (no .safetensors weights)" in model_sources.teacher_folder_problem(
+        teacher, "webshop")
 
 
 @pytest.mark.slow
@@ -888,9 +899,9 @@ def test_the_remaining_tracebacks_are_one_line(tmp_path, monkeypatch):
 def test_advice_fits_the_failure(tmp_path):
     import errno
     run = R.Run(R.parse_config({"model": "tiny", "env": "webshop", "run_dir": str(tmp_path / "run")}))
-    too_big = checks.write_failure(run.dir, "metrics.jsonl", OSError(errno.EFBIG, "File too large"))
+    too_big = repairs.write_failure(run.dir, "metrics.jsonl", OSError(errno.EFBIG, "File too large"))
     assert "ulimit -f" in too_big and "free some space" not in too_big
-    full = checks.write_failure(run.dir, "metrics.jsonl", OSError(errno.ENOSPC, "No space left on device"))
+    full = repairs.write_failure(run.dir, "metrics.jsonl", OSError(errno.ENOSPC, "No space left on device"))
     assert "free some space" in full
 
 
@@ -1002,7 +1013,7 @@ def test_the_file_helpers_follow_no_link_and_wait_on_no_fifo(tmp_path):
     with pytest.MonkeyPatch.context() as patch:  # (as root every folder can be listed: the refusal, simulated)
         patch.setattr(os, "scandir", lambda path=".": (_ for _ in ()).throw(PermissionError(
             13, "Permission denied", str(path))) if str(path).endswith("deep") else real_scandir(path))
-        assert checks.run_folder_problem(folder) == f"cannot list {folder}/teacher/deep (Permission denied): " \
+        assert run_folder.run_folder_problem(folder) == f"cannot list {folder}/teacher/deep (Permission denied): " \
                                                     "the run must see everything in its own folders"
 
 
@@ -1090,7 +1101,7 @@ def test_a_model_that_names_custom_code_is_refused_and_none_of_it_runs(stopped_r
     tiny_model, tokenizer = R.load_policy(str(run_dir / "student"), torch.device("cpu"), torch.float32)
     tiny_model.config.auto_map = {"AutoConfig": "evil.EvilConfig"}  # a hub model that names code it does not need
     saved = R.Run(small_cfg(run_dir=str(tmp_path / "s"))).save_model(tiny_model, tokenizer, "student")
-    assert checks.saved_model_problem(saved) is None  # what a run saves names no code: its resume loads it
+    assert model_sources.saved_model_problem(saved) is None  # what a run saves names no code: its resume loads it
 
 
 @pytest.mark.parametrize("damage,problem", [
@@ -1130,7 +1141,7 @@ def test_a_model_folder_without_a_tokenizer_or_chat_template_is_refused_in_one_l
     assert not (tmp_path / "m").exists()
     if lost == "tokenizer.json":  # a SentencePiece tokenizer is one too
         (model / "tokenizer.model").write_bytes(b"")
-        assert checks.saved_model_problem(model) is None
+        assert model_sources.saved_model_problem(model) is None
 
 
 def test_a_fifo_in_a_model_folder_is_refused_at_once(stopped_runs, tmp_path):
@@ -1184,9 +1195,9 @@ def test_a_lost_log_line_that_a_checkpoint_covers_is_reported_as_a_hole(stopped_
     R.main(["--resume", str(run_dir)])  # before: dropped in silence
     assert "metrics.jsonl has no line for 1 iteration(s) that the checkpoint covers (student 1)" in \
         capsys.readouterr().out
-    assert checks.log_holes(run_dir, ("student",), "student", 2, {}) is not None
-    assert checks.log_holes(run_dir, ("student",), "student", 0, {}) is None
-    assert "(teacher 0, teacher 1)" in checks.log_holes(run_dir, ("teacher", "student"), "student", 0,
+    assert repairs.log_holes(run_dir, ("student",), "student", 2, {}) is not None
+    assert repairs.log_holes(run_dir, ("student",), "student", 0, {}) is None
+    assert "(teacher 0, teacher 1)" in repairs.log_holes(run_dir, ("teacher", "student"), "student", 0,
                                                                 {"teacher": 1})
 
 
@@ -1201,9 +1212,9 @@ def test_an_empty_catalogue_is_refused_before_the_folder_is_taken(tmp_path):
 def test_a_permission_error_is_one_line(tmp_path):
     """As root no file is unreadable: the refusal is raised where a non-root user meets it (a resume's
     config.json), in a fresh interpreter that runs retireopd.py as a script."""
-    script = ("import checks, runpy, sys\n"
+    script = ("import runpy, settings, sys\n"
               "def denied(*a, **k): raise PermissionError(13, 'Permission denied', sys.argv[-1] + '/config.json')\n"
-              "checks.saved_settings = denied\n"
+              "settings.saved_settings = denied\n"
               "runpy.run_path('retireopd.py', run_name='__main__')\n")
     done = subprocess.run([sys.executable, "-c", script, "--resume", str(tmp_path)], cwd=HERE, capture_output=True,
                           text=True, timeout=120)

@@ -18,8 +18,8 @@ from unittest import mock
 
 import pytest
 
-import checks
 import retireopd as R
+import settings
 import webshop_env as W
 
 HERE = Path(__file__).resolve().parent
@@ -268,11 +268,11 @@ def test_a_price_that_is_not_a_number_and_json_nested_too_deep_are_one_line(tmp_
     cfg = R.parse_config({"model": "tiny", "env": "webshop", "webshop_data": str(tmp_path),
                           "run_dir": str(tmp_path / "run")})
     with pytest.raises(SystemExit, match="holds a price that is not a number") as stop:
-        checks.open_task_suite(cfg)
+        settings.open_task_suite(cfg)
     assert "\n" not in str(stop.value)
     (tmp_path / W.PRODUCTS_FILE).write_text("[" * 200_000 + "]" * 200_000)  # before: RecursionError
     with pytest.raises(SystemExit, match="retireopd: ") as stop:
-        checks.open_task_suite(cfg)
+        settings.open_task_suite(cfg)
     assert "\n" not in str(stop.value)
 
 

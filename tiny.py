@@ -12,7 +12,7 @@ import hashlib
 import json
 import random
 import sys
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import transformers
@@ -240,10 +240,15 @@ def build_model(name: str, dtype: torch.dtype, seed: int, tokenizer):
 # On ALFWorld's fixture games and the built-in WebShop catalogue the tiny model only runs the code
 # paths: small and quick, no warm start (it knows only the kitchen), and since it never wins (S_T =
 # 0) the teacher retires on a fixed schedule halfway through phase 2, unless --teacher-success or
-# --retire-at is given.
+# --retire-at is given (retire_halfway).
 TINY_PRESET_ELSEWHERE = dict(warm_start=0, teacher_iterations=None, iterations=10, batch_tasks=2, group_size=4,
-                             max_response_tokens=32, eval_episodes=4, lr=1e-4, lr_warmup_steps=0,
-                             retire_at="half")
+                             max_response_tokens=32, eval_episodes=4, lr=1e-4, lr_warmup_steps=0)
+
+
+def retire_halfway(iterations: int, algo: str, teacher_success) -> Optional[int]:
+    """--retire-at of the tiny model outside the kitchen (unless given): halfway through phase 2, for the
+    method without --teacher-success (S_T would be 0 there); None otherwise."""
+    return max(1, iterations // 2) if algo == "retireopd" and teacher_success is None else None
 
 
 TINY_PRESET = dict(
