@@ -11,12 +11,12 @@ GRPO alone goes on.
 Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
 math, 4 rollout, 5 update (with the scoring forward: how each log-prob is taken), 6 one iteration, a
 phase, the two phases. There the method ends, at a banner that names what it calls from below
-(evaluation, bookkeeping, loading, the run folder, the command line). torchrun adds three `if ddp:`
-steps (multigpu.py). Modules hold the rest, none importing this file: engine.py samples; environments.py
-drives alfworld_env.py, webshop_env.py and kitchen_env.py; tiny.py builds the models made in code;
-settings.py, model_sources.py, run_folder.py and repairs.py check flags, models and run folders;
-memory.py and dashboards.py measure and show a run; common.py holds what they share; bench.py times
-the model calls. `python retireopd.py` runs the offline demo; docs/choices.md gives every choice.
+(evaluation, bookkeeping, loading, the command line). torchrun adds three `if ddp:` steps (multigpu.py).
+Modules hold the rest, none importing this file: engine.py samples; environments.py drives
+alfworld_env.py, webshop_env.py and kitchen_env.py; tiny.py builds the models made in code; run_outputs.py
+writes a run's logs, models and checkpoints; settings.py, model_sources.py, run_folder.py and repairs.py
+check flags, models and run folders; memory.py and dashboards.py measure and show a run; common.py
+holds what they share; bench.py times the model calls. `python retireopd.py` runs the offline demo; docs/choices.md gives every choice.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import json
 import os
 import random
 import re
-import shlex
 import shutil
 import signal
 import sys
@@ -38,7 +37,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import transformers
@@ -47,7 +46,6 @@ from tqdm.auto import tqdm
 import alfworld_env  # ALFWorld on its real engine, and its skill notes
 import dashboards  # the live dashboard (--report-to), the summary line, the plot
 import kitchen_env  # the offline demo's kitchen, and its skill notes
-import memory  # the peak-memory gauges and the memory estimate
 import model_sources  # what cannot be loaded or cannot teach: --model (a folder, the hub), teachers, model folders
 import multigpu  # what several processes add: the three `if ddp:` steps of the method
 import repairs  # what keeps a damaged run folder resumable: checkpoints set aside, logs truncated, config restored
@@ -55,11 +53,12 @@ import run_folder  # the run folder's lock and which run it holds (run.json): on
 import settings  # the flags resolved and checked in one line (a table of rules), a resume's settings, the data
 import tiny  # the models built in code: the tiny model (its tokenizer, warm start, presets) and random: shapes
 import webshop_env  # WebShop in pure Python, and its skill notes
-from common import (PHASES, append_line, checkpoint_folders, drop_custom_code, finite_json, fsync_logs, fsync_path,
-                    fsync_tree, read_jsonl, read_trainer_state, remove_entry, rename_entry, resolve_model_name,
-                    save_pretrained_as, write_text_atomically)
+from common import PHASES, fsync_tree, read_jsonl, remove_entry, rename_entry, resolve_model_name
 from engine import autocast, generate, use_tf32_head  # sampling a batch of answers from the full distribution
 from environments import EpisodeState, TaskSuite, close_episodes, start_episodes, step_episodes
+from run_outputs import (INTERRUPTED, Run, Stopped, finished_phases, interrupt_once, non_finite_tensors,  # what a
+                         phase_iterations, resumable_checkpoint, set_rng_state, stop_at_the_next_safe_point,  # run
+                         stop_line)  # writes (logs, models, checkpoints), and how it stops
 
 
 # ==================================================================================================
@@ -636,16 +635,14 @@ def rollout(model, tokenizer, suite: TaskSuite, tasks: list, cfg: Config, *, gro
 
 
 def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_entropy: bool = False):
-    """Log-probs (and entropies) of each response's tokens given its prompt, one forward pass.
+    """Log-probs (and entropies) of each response's tokens given its prompt, in one forward pass.
 
-    prompts, responses: lists of token-id lists. The *same* response ids are scored under
-    whichever prompt is given: the student's s_t or the teacher's s_t^T, never re-tokenised text.
-    Sequences are right padded (positions 0..L-1 as in generation), so no attention mask is needed:
-    under causal attention the padding after a sequence's end cannot reach its tokens (the same
-    numbers as with a padding mask, bit for bit, and about 10% faster on CPU). Only the hidden
-    states that predict response tokens go through lm_head. Returns flat tensors over all response
-    tokens, in input order. Gradients flow iff enabled by the caller.
-    """
+    prompts, responses: lists of token-id lists; the *same* response ids are scored under whichever
+    prompt is given (s_t or s_t^T), never re-tokenised text. Sequences are right padded (positions
+    0..L-1 as in generation): under causal attention the padding after a sequence cannot reach its
+    tokens, so no mask is needed (bit for bit the numbers with one, ~10% faster on CPU). The hidden
+    state at position t predicts token t+1: only those that predict response tokens reach the head.
+    Returns flat tensors over all response tokens, in input order (with gradients if enabled)."""
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     input_ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=device)
@@ -674,33 +671,27 @@ def score_tokens(model, input_ids: torch.Tensor, picked: tuple, targets: torch.T
 
 def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 1024,
                   with_entropy: bool = False):
-    """token_logprobs(lm_head(hidden), tokens) in chunks of `chunk` rows, for memory: with a 151,936-token
-    vocabulary a (batch, seq, vocab) fp32 log-softmax takes gigabytes, so at most `chunk` rows of logits
-    exist at once, recomputed in backward (checkpointed). hidden: (N, H) at the N positions that predict
-    response tokens. The logits are fp32 even under bf16 autocast (a bf16 frozen model: its weights, fp32
-    sums). Returns (N,) float32 log-probs (and entropies)."""
+    """token_logprobs(lm_head(hidden), tokens), `chunk` rows at a time: with a 151,936-token vocabulary a
+    (batch, seq, vocab) fp32 log-softmax takes gigabytes, so at most `chunk` rows of logits exist at once,
+    recomputed in backward (checkpointed). The logits are fp32 even under bf16 autocast (a bf16 head: fp32
+    sums of its weights). hidden: (N, H) at the positions that predict the N response tokens. Returns (N,)
+    float32 log-probs (and entropies)."""
     weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
 
     def one_chunk(h, y):
         with torch.autocast(h.device.type, enabled=False):
-            if weight is not None and weight.dtype != torch.float32:
-                logits = torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
-            else:
-                logits = lm_head(h.float()).float()
+            bf16_head = weight is not None and weight.dtype != torch.float32
+            logits = (torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
+                      if bf16_head else lm_head(h.float()).float())
         return token_logprobs(logits, y, with_entropy=True) if with_entropy else (token_logprobs(logits, y), None)
 
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start:start + chunk], tokens[start:start + chunk]
-        checkpointed = torch.is_grad_enabled() and h.requires_grad
-        logp, entropy = (torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False) if checkpointed
-                         else one_chunk(h, y))
-        logps.append(logp)
-        entropies.append(entropy)
-    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+    chunks = [(hidden[start:start + chunk], tokens[start:start + chunk]) for start in range(0, len(hidden), chunk)]
+    scored = [torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False)
+              if torch.is_grad_enabled() and h.requires_grad else one_chunk(h, y) for h, y in chunks]
+    logp = torch.cat([logp for logp, _ in scored]) if scored else hidden.new_zeros(0, dtype=torch.float32)
     if not with_entropy:
         return logp
-    return logp, torch.cat(entropies) if entropies else torch.zeros_like(logp)
+    return logp, torch.cat([entropy for _, entropy in scored]) if scored else torch.zeros_like(logp)
 
 
 @torch.no_grad()
@@ -920,16 +911,16 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) -> None:
 ####################################################################################################
 # The method ends here. Below: what one process needs to run it; none of it changes the math. The method
 # calls these from below, each named for what it does:
-#   the run folder `Run` (`Run.measured_iterations`, `Run.end_iteration`, `Run.log_retirement`,
-#     `Run.log_report`, `Run.log_memory_estimate`, `Run.save_teacher`, `Run.save_student`; `finished_phases`)
 #   the models `ModelLoader` (`ModelLoader.policy`, `ModelLoader.teacher`, `ModelLoader.frozen_copy`,
 #     `ModelLoader.teacher_saved`) and `FrozenModels` (`FrozenModels.release_teacher`)
 #   evaluation `evaluate`, `validate`, `validation_due`, `report_teacher`, `recorded_teacher_success`
-#   the phase's bookkeeping `phase_iterations`, `phase_rng`, `restore_phase`, `prompt_within_budget`,
-#     `refuse_a_broken_split`
+#   the phase's bookkeeping `phase_rng`, `restore_phase`, `prompt_within_budget`, `refuse_a_broken_split`
 #   meters `RolloutMeter`, `UpdateMeter`, `timed`, `sampling_numerics`
 #   the update's `build_adamw`, `MiniBatches`, `micro_batches`, `step_is_finite`, `set_warmup_lr`,
 #     `stop_if_weights_not_finite`
+# and, from run_outputs.py, what the run writes into its folder: `Run` (`Run.measured_iterations`,
+#   `Run.end_iteration`, `Run.log_retirement`, `Run.log_report`, `Run.log_memory_estimate`, `Run.save_teacher`,
+#   `Run.save_student`), `phase_iterations`, `finished_phases`.
 ####################################################################################################
 
 
@@ -1039,10 +1030,6 @@ def success_by_task_type(records):
     return out
 
 
-def phase_iterations(cfg: Config, phase: str) -> int:
-    return (cfg.teacher_iterations or cfg.iterations) if phase == "teacher" else cfg.iterations
-
-
 def steps_before_phases(cfg: Config) -> dict:
     """{phase: the iterations run before it}: both phases on one axis (a dashboard's steps, as the plot
     draws them); phase 2 starts at 0 without a phase 1 (--algo grpo)."""
@@ -1112,17 +1099,6 @@ def restore_phase(resume: dict, policy, optimizer, rng: random.Random) -> tuple[
     rng.setstate(resume["python_rng"])
     set_rng_state(resume["rng"], device)
     return list(resume["val_successes"]), resume["iteration"] + 1
-
-
-def progress_postfix(record: dict, val_successes: list, retirement: Optional[Retirement]) -> dict:
-    postfix = {"success": f"{record['success']:.2f}"}
-    if "gap" in record:
-        postfix["K"] = f"{record['gap']:.4f}"
-    if val_successes:
-        postfix["val"] = f"{val_successes[-1]:.2f}"
-    if retirement is not None:
-        postfix["retired"] = retirement.retired
-    return postfix
 
 
 def recorded_teacher_success(cfg: Config, teacher_dir: Path) -> float:
@@ -1271,21 +1247,6 @@ def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
     return int(state["step"]) if "step" in state else 0
 
 
-def non_finite_tensors(tensors) -> int:
-    """How many of these tensors (a sharded one: this rank's shard) hold a NaN or an infinity."""
-    flags = [torch.isfinite(getattr(t, "to_local", lambda: t)().detach()).all() for t in tensors
-             if t.is_floating_point()]
-    return int((~torch.stack(flags)).sum()) if flags else 0
-
-
-def tensors_in(value) -> list:
-    """Every tensor in a nested structure of dicts, lists and tuples (a trainer state)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return [tensor for item in items for tensor in tensors_in(item)]
-
-
 def stop_if_weights_not_finite(model, optimizer) -> None:
     """After an optimizer step: weights that hold a NaN or an infinity end the run, in one line (every
     rank stops). The step cannot be undone, and the weights are not saved (the last checkpoint holds
@@ -1395,23 +1356,6 @@ def set_warmup_lr(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
         group["lr"] = cfg.lr * min(1.0, (optimizer_steps_taken(optimizer) + 1) / max(cfg.lr_warmup_steps, 1))
 
 
-def rng_state(device: torch.device) -> dict:
-    """The torch RNG streams a resumed run must continue: CPU, and the training GPU's only (a
-    run may resume where a different set of GPUs is visible)."""
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device: torch.device) -> None:
-    """state: rng_state's, or (under torchrun) one per rank, in rank order."""
-    state = state[multigpu.rank()] if isinstance(state, list) else state
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 # ==================================================================================================
 # 9. Loading a model: Qwen2.5 checkpoints, aliases (common.py), the models built in code (tiny.py)
 # ==================================================================================================
@@ -1513,284 +1457,7 @@ def one_thread_if_small(model, device: torch.device) -> None:
 
 
 # ==================================================================================================
-# 10. The run folder: logs, models, checkpoints, resume
-# ==================================================================================================
-
-
-class Run:
-    """What a run writes into its folder: the jsonl logs, the models and the checkpoints.
-
-    run_dir/run.json           which run the folder holds (its id, its inputs; a new run refuses such a folder)
-    run_dir/.retireopd.lock    flock'ed by the process running there (lock_run_folder): one process per folder
-    run_dir/config.json        the resolved Config
-    run_dir/metrics.jsonl      one line per training iteration (docs/metrics.md: what each key means)
-    run_dir/events.jsonl       start, teacher ready, retirement, done
-    run_dir/eval.jsonl         evaluations on the fixed panel, per task type
-    run_dir/teacher, student   final models, Hugging Face format in bf16 (+ retireopd.json)
-    run_dir/checkpoints/       resumable checkpoints: fp32 policy + trainer.pt (optimizer, RNG, retirement)
-
-    What a resume reads back is below it (resumable_checkpoint, finished_phases; repairs.truncate_logs drops
-    the log lines it redoes). Under torchrun, rank 0 alone writes: every rank calls the same methods
-    (saving a sharded model gathers its weights from all of them), and rank 0 writes what they gathered.
-    """
-    latest: Optional[Path] = None  # the folder of the last Run made in this process (the interrupt message)
-    tracker: Any = None  # --report-to: a dashboards.Tracker; every line logged goes there too (main starts it)
-
-    def __init__(self, cfg: Config, inputs: Optional[dict] = None):
-        self.cfg = cfg
-        self.dir = Path(cfg.run_dir)
-        run_id = None
-        if multigpu.main_process():
-            self.dir.mkdir(parents=True, exist_ok=True)
-            run_id = run_folder.run_identity(self.dir, cfg, inputs)["run_id"]
-            write_text_atomically(self.dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-        self.run_id = multigpu.broadcast(run_id)
-        self.started = self.lap_started = time.time()
-        self.laps: dict = {}  # {stage: seconds}: where this process's wall time went (the end-of-run line)
-        self.skipped_streak = 0
-        Run.latest = self.dir
-
-    def log(self, name: str, record: dict) -> None:
-        if not multigpu.main_process():
-            return
-        record = finite_json(record)  # NaN and infinities are not JSON: they are written as null
-        try:
-            append_line(self.dir / name, json.dumps(record, allow_nan=False))
-        except OSError as error:
-            raise SystemExit(repairs.write_failure(self.dir, name, error)) from None
-        if self.tracker is not None:
-            self.tracker.log(name, record)
-
-    def save_model(self, model, tokenizer, name: str, extra: Optional[dict] = None,
-                   trainer_state: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16) -> Path:
-        """Hugging Face format (from_pretrained / vLLM), written to a new temp folder, fsync'ed, then
-        renamed: neither a crash nor a power loss leaves a half model under the final name.
-
-        dtype: the weights' dtype on disk, bf16 by default (final models: half the size, and
-        servable: vLLM's dtype=auto serves a float32 checkpoint in fp16, where Qwen2.5 breaks
-        down); None keeps the fp32 master weights (resumable checkpoints). The live model is
-        not changed. Sharded: the whole weights are gathered (every rank calls this), rank 0 writes."""
-        from safetensors import SafetensorError
-        weights = multigpu.full_state_dict(model)  # None: not sharded (save_pretrained reads the model itself)
-        final, tmp = self.dir / name, self.dir / f"{name}.tmp"
-        if not multigpu.main_process():
-            return final
-        tensors = [*(model.state_dict() if weights is None else weights).values(), *tensors_in(trainer_state)]
-        if bad := non_finite_tensors(tensors):  # weights, AdamW's moments
-            raise SystemExit(f"retireopd: not saving {final}: {bad} of its tensors hold NaN or infinite values "
-                             "(what was saved before is kept)")
-        try:
-            remove_entry(tmp, self.dir)
-            tmp.mkdir(mode=0o755)  # (fails on a link planted meanwhile; nobody else may add entries in it)
-            if dtype is None:
-                model.save_pretrained(tmp, state_dict=weights)
-            else:
-                save_pretrained_as(model, tmp, dtype, weights)
-            tokenizer.save_pretrained(tmp)
-            if extra is not None:
-                (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
-            if trainer_state is not None:
-                torch.save(trainer_state, tmp / "trainer.pt")
-            drop_custom_code(tmp)
-            fsync_tree(tmp)
-        except (OSError, RuntimeError, SafetensorError) as error:  # torch says "unexpected pos" on a full disk
-            with contextlib.suppress(OSError):  # what was saved before stays as it was
-                remove_entry(tmp, self.dir)
-            raise SystemExit(repairs.write_failure(self.dir, name, error)) from None
-        try:
-            rename_entry(tmp, final, self.dir)
-        except OSError as error:  # (a link planted above it since the start: nothing is renamed through it)
-            raise SystemExit(repairs.write_failure(self.dir, name, error)) from None
-        fsync_path(final.parent)  # the new name is durable before anything older is deleted
-        return final
-
-    def checkpoint(self, model, tokenizer, state: dict) -> None:
-        """A resumable checkpoint after a completed iteration; keeps the last cfg.keep_checkpoints. The logs
-        are fsync'ed first (a checkpoint never covers a log line a power loss could take), and the run's
-        settings go with it (retireopd.json: a lost config.json is restored from there)."""
-        name = f"checkpoints/{PHASES.index(state['phase'])}-{state['phase']}-{state['iteration']:05d}"
-        if multigpu.main_process():
-            (self.dir / "checkpoints").mkdir(exist_ok=True)
-            fsync_logs(self.dir)
-        self.save_model(model, tokenizer, name, {"config": dataclasses.asdict(self.cfg)},
-                        {**state, "run_id": self.run_id, "tokenizer": model_sources.tokenizer_fingerprint(tokenizer)},
-                        None)
-        for old in checkpoint_folders(self.dir)[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
-            remove_entry(old, self.dir)
-
-    def measured_iterations(self, phase: str, start: int, iterations: int, device: torch.device):
-        """A phase's iterations from `start`, under a progress bar (under torchrun rank 0's alone); each starts
-        the iteration's clock and resets the peak-memory gauge (end_iteration reads both)."""
-        self.bar = tqdm(range(start, iterations), desc=f"{phase} ({self.cfg.algo})", dynamic_ncols=True,
-                        initial=start, total=iterations, disable=ddp and not multigpu.main_process())
-        for iteration in self.bar:
-            memory.reset_peak_memory(device)
-            self.iteration_started, self.device = time.perf_counter(), device
-            yield iteration
-
-    def end_iteration(self, record: dict, model, tokenizer, iterations: int, retired_now: bool, *, optimizer,
-                      rng: random.Random, val_successes: list, retirement: Optional[Retirement]) -> None:
-        """An iteration's end: its metrics.jsonl line (with S_T in phase 2, the update's tokens per second),
-        a checkpoint when one is due (checkpoint_phase), the progress bar's numbers."""
-        if retirement is not None:
-            record["teacher_success"] = retirement.teacher_success
-        record["train_tokens_per_s"] = record["trained_tokens"] / max(record["t_update"], 1e-9)
-        self.log_iteration(record)
-        self.checkpoint_phase(model, tokenizer, record["phase"], record["iteration"], iterations, retired_now,
-                              optimizer=optimizer, rng=rng, val_successes=val_successes, retirement=retirement)
-        self.bar.set_postfix(progress_postfix(record, val_successes, retirement))
-
-    def log_iteration(self, record: dict) -> None:
-        """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after
-        a check that every rank fed the retirement rule the same numbers and took the same decision."""
-        record["t_iteration"] = multigpu.max_over_ranks(time.perf_counter() - self.iteration_started)
-        record["peak_mem_gb"] = multigpu.max_over_ranks(memory.peak_memory_gb(self.device))
-        rules = multigpu.gather_objects({key: record.get(key)
-                                         for key in ("gap", "val_success", "teacher_active", "retired")})
-        if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)
-            raise RuntimeError(f"the processes disagree on the retirement rule's inputs: {rules}")
-        self.log("metrics.jsonl", record)
-        self.skipped_streak = repairs.note_skipped_steps(record, self.skipped_streak)
-
-    def log_memory_estimate(self, policy, phase: str, frozen: FrozenModels, skill_tokens: Optional[int] = None):
-        """Print and log the memory estimate of a phase, before it allocates anything heavy (memory.py); phase 1's
-        prompts carry a skill block (room for memory.SKILL_BLOCK_TOKENS, unless skill_tokens says)."""
-        if skill_tokens is None:
-            skill_tokens = memory.SKILL_BLOCK_TOKENS if phase == "phase 1" else 0
-        n_frozen = sum(model is not None for model in (frozen.teacher, frozen.reference))
-        estimate = memory.print_memory_estimate(policy, self.cfg, phase, n_frozen, skill_tokens)
-        self.log("events.jsonl", {"event": "memory_estimate", "phase": phase, "gib": estimate,
-                                  "device": str(next(policy.parameters()).device)})
-
-    def log_retirement(self, iteration: int, retirement: Retirement, record: dict) -> None:
-        """The retirement event (events.jsonl) with the numbers that decided it, and its message."""
-        self.log("events.jsonl", {"event": "retirement", "rule": retirement.mode, "retired_at": retirement.retired_at,
-                                  "decided_after_iteration": iteration,
-                                  **{key: record.get(key) for key in ("judged_block", "progress", "competence",
-                                                                      "val_success", "criterion_valid")}})
-        tqdm.write(retirement_message(iteration, retirement, record))
-
-    def log_report(self, phase: str, result: dict) -> None:
-        """An end-of-phase evaluation on the report panel (eval.jsonl)."""
-        self.log("eval.jsonl", {"phase": phase, "iteration": phase_iterations(self.cfg, phase) - 1,
-                                "panel": "report", **result})
-
-    def checkpoint_phase(self, model, tokenizer, phase: str, iteration: int, iterations: int, retired_now: bool, *,
-                         optimizer, rng: random.Random, val_successes: list,
-                         retirement: Optional[Retirement]) -> None:
-        """A resumable checkpoint every --save-every iterations, at the phase's last iteration and at
-        retirement: the fp32 policy and everything a resumed run needs to go on exactly as this one."""
-        last = iteration + 1 == iterations
-        stopping = not multigpu.all_ranks(not STOP_REQUESTED)  # SIGTERM / SIGHUP (any rank): stop here, checkpointed
-        if last or retired_now or stopping or (self.cfg.save_every and (iteration + 1) % self.cfg.save_every == 0):
-            rngs = multigpu.gather_objects(rng_state(next(model.parameters()).device))  # one per rank
-            self.checkpoint(model, tokenizer, {
-                "phase": phase, "iteration": iteration, "optimizer": multigpu.optimizer_state(model, optimizer),
-                "python_rng": rng.getstate(), "rng": rngs[0] if len(rngs) == 1 else rngs,
-                "world_size": multigpu.world_size(), "val_successes": val_successes,
-                "retirement": dataclasses.asdict(retirement) if retirement else None})
-        if stopping:
-            raise Stopped(STOP_REQUESTED[0] if STOP_REQUESTED else signal.SIGTERM,
-                          f"after {phase} iteration {iteration}, with a checkpoint")
-
-    def lap(self, stage: str) -> None:
-        """The seconds since the last lap (or the start) were spent on `stage`."""
-        self.laps[stage] = round(time.time() - self.lap_started, 1)
-        self.lap_started = time.time()
-
-    def save_teacher(self, model, tokenizer, teacher_success: float, validations: list) -> None:
-        # teacher_ready is logged before the save: a resume that finds teacher/ saved finds this line
-        # too, one that does not drops it
-        self.log("events.jsonl", {"event": "teacher_ready", "teacher_success": teacher_success})
-        self.save_model(model, tokenizer, "teacher", {"teacher_success": teacher_success, "env": self.cfg.env,
-                                                      "base_model": self.cfg.model, "validations": validations[-2:],
-                                                      "run_id": self.run_id})
-        multigpu.barrier()  # phase 2 reads it back on every rank
-        self.lap("phase 1")
-
-    def save_student(self, model, tokenizer, teacher_success: Optional[float],
-                     retirement: Optional[Retirement]) -> None:
-        self.save_model(model, tokenizer, "student", {"algo": self.cfg.algo, "teacher_success": teacher_success,
-                                                      "retired_at": retirement.retired_at if retirement else None})
-        self.lap("phase 2")
-
-
-def resumable_checkpoint(run: Run) -> tuple[Optional[Path], Optional[dict]]:
-    """(the newest whole checkpoint, its trainer state), or (None, None). One that is damaged (a file cut
-    short by a crash or a full disk) or another run's is set aside as NAME.corrupt, with a note, and the
-    one before it is tried (repairs.first_resumable_checkpoint). Under torchrun rank 0 chooses, and every
-    rank loads it."""
-    if not multigpu.main_process():
-        name = multigpu.broadcast(None)
-        folder = None if name is None else run.dir / "checkpoints" / name
-        return (None, None) if folder is None else (folder, read_trainer_state(folder))
-    folder, state = repairs.first_resumable_checkpoint(run.dir, run.run_id)
-    multigpu.broadcast(folder.name if folder else None)
-    return folder, state
-
-
-def finished_phases(run_dir: Path) -> tuple:
-    """The phases whose final model the run folder holds (teacher/, student/): a resume skips them."""
-    return tuple(phase for phase in PHASES if (run_dir / phase / "retireopd.json").is_file())
-
-
-STOP_REQUESTED: list = []  # the signal received, if any; the run stops at the end of the iteration
-
-
-class Stopped(KeyboardInterrupt):
-    """The run ends the way Ctrl-C ends it (the resume line), for a signal; exit status 128 + signal."""
-
-    def __init__(self, signum: int, where: str = "at once"):
-        super().__init__(signum, where)
-        self.signum, self.where = signum, where
-
-
-def stop_at_the_next_safe_point(signum: int, _frame) -> None:
-    """SIGTERM / SIGHUP: finish this iteration, write a checkpoint, then stop (checkpoint_phase). A second
-    signal stops at once, as Ctrl-C does (the last checkpoint is then the one to resume from)."""
-    if STOP_REQUESTED:
-        raise Stopped(signum)
-    STOP_REQUESTED.append(signum)
-    if multigpu.main_process():
-        print(f"\n[retireopd] {signal.Signals(signum).name}: stopping after this iteration, with a checkpoint "
-              "(a second signal stops at once)", flush=True)
-
-
-def stop_line(how: str) -> str:
-    """The last line of a stopped run: the command that resumes it, or that there is nothing to resume."""
-    launcher = f"torchrun --nproc_per_node {multigpu.world_size()}" if ddp else "python"
-    resume = f"{launcher} retireopd.py --resume {shlex.quote(str(Run.latest))}"
-    return (f"\n[retireopd] {how}: continue with `{resume}` (from the last checkpoint)" if Run.latest
-            else f"\n[retireopd] {how} before the run folder was written: nothing to resume")
-
-
-def interrupt_once(_signum: int, _frame) -> None:
-    """Ctrl-C: the run unwinds (KeyboardInterrupt) and prints how to resume. A second Ctrl-C while it unwinds
-    ends it at once and quietly, with the same line and status: what the run wrote is already whole (every
-    file is written aside and renamed), and a lock whose holder is gone is taken over by the next start."""
-    if INTERRUPTED:
-        if "said" not in INTERRUPTED:
-            os.write(2, (stop_line("interrupted") + "\n").encode())
-        os._exit(1)
-    INTERRUPTED.append(True)
-    raise KeyboardInterrupt
-
-
-INTERRUPTED: list = []  # set by the first Ctrl-C, and once its line is printed
-
-
-def retirement_message(iteration: int, retirement: Retirement, record: dict) -> str:
-    if retirement.mode == "fixed":
-        return f"[retireopd] teacher retired on schedule: GRPO alone from iteration {retirement.retired_at}"
-    return (f"[retireopd] teacher retired after iteration {iteration}: the gap K stopped shrinking "
-            f"(block mean {record['judged_block']:.4g}, progress {record['progress']:+.3f} <= "
-            f"{retirement.threshold}) and the student is competent (this and the previous judging validation, "
-            f"{record['val_success']:.2f} now, average {record['competence']:.2f} x S_T >= {retirement.rho}); "
-            f"GRPO alone from iteration {retirement.retired_at}")
-
-
-# ==================================================================================================
-# 11. Command line and main
+# 10. Command line and main
 # ==================================================================================================
 
 

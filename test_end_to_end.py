@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import retireopd as R
+from common import checkpoint_folders
 import tiny as built_in_models  # (the name `tiny` is the fixture of the tiny model)
 from conftest import small_cfg, FakeSuite, QUICK, run_cli, phases, comparable
 
@@ -142,7 +143,7 @@ def test_final_models_are_bf16_and_generate_checkpoints_keep_fp32(tiny, tmp_path
     assert 1 <= len(ids) <= 4 and logp.dtype == torch.float32 and bool((logp < 0).all())
     assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
     run.checkpoint(model, tok, {"phase": "student", "iteration": 0})  # resumable: the fp32 master weights
-    resumable = R.transformers.AutoModelForCausalLM.from_pretrained(R.checkpoint_folders(run.dir)[-1])
+    resumable = R.transformers.AutoModelForCausalLM.from_pretrained(checkpoint_folders(run.dir)[-1])
     assert resumable.dtype == torch.float32
     assert all(torch.equal(v, before[k]) for k, v in resumable.state_dict().items())
 

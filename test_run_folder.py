@@ -290,6 +290,7 @@ import json, os, resource, signal, sys
 from pathlib import Path
 import model_sources
 import retireopd as R
+from common import checkpoint_folders
 run_dir, how, summary, flags = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 ballast, soft_limit = run_dir.parent / "ballast", resource.getrlimit(resource.RLIMIT_FSIZE)
 real_checkpoint, filled = R.Run.checkpoint, []
@@ -305,7 +306,7 @@ def checkpoint(self, *args, **kwargs):  # after the first checkpoint, the disk f
         return
     # room for the log lines and the next checkpoint's weights, not for its trainer.pt: torch.save fails
     # ("unexpected pos", as reported), after safetensors succeeded
-    newest = R.checkpoint_folders(self.dir)[-1]
+    newest = checkpoint_folders(self.dir)[-1]
     room = sum(f.stat().st_size for f in newest.iterdir() if f.name != "trainer.pt") + 256 * 1024
     fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
     try:
@@ -989,7 +990,7 @@ def test_a_run_folder_reached_through_a_link_works_as_before(tmp_path):
 
 
 def test_the_file_helpers_follow_no_link_and_wait_on_no_fifo(tmp_path):
-    from common import append_line, read_owned_text, remove_entry, write_text_atomically
+    from common import append_line, checkpoint_folders, read_owned_text, remove_entry, write_text_atomically
     victim, contents = victim_of(tmp_path)
     before = contents()
     folder = tmp_path / "run"
@@ -1001,7 +1002,7 @@ def test_the_file_helpers_follow_no_link_and_wait_on_no_fifo(tmp_path):
     with pytest.raises(OSError):
         append_line(folder / "metrics.jsonl", "{}")
     (folder / "checkpoints").symlink_to(victim)
-    assert R.checkpoint_folders(folder) == []  # (the victim holds a folder named like a checkpoint)
+    assert checkpoint_folders(folder) == []  # (the victim holds a folder named like a checkpoint)
     remove_entry(folder / "checkpoints")  # the link goes, never what it points to
     assert not os.path.lexists(folder / "checkpoints")
     os.mkfifo(folder / "run.json")
