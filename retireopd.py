@@ -1133,6 +1133,17 @@ class FrozenModels:
             torch.cuda.empty_cache()
 
 
+def refuse_a_bad_teacher(cfg: Config, run: Run) -> None:
+    """A teacher folder (--teacher, or the run's own teacher/) that is damaged, or the run's own holding another
+    run's teacher, is refused in one line: at the start, before a resume changes anything in the folder."""
+    teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
+    if teacher_dir.is_dir() and (problem := model_sources.teacher_folder_problem(teacher_dir, cfg.env)):
+        raise SystemExit(f"retireopd: {problem}: restore that folder from a copy, or start a new run (a resume "
+                         "never redoes phase 1 behind a student's checkpoints)")
+    if not cfg.teacher and (problem := model_sources.foreign_teacher_problem(teacher_dir, run.run_id)):
+        raise SystemExit(f"retireopd: {problem}")
+
+
 class ModelLoader:
     """Loads a run's models: the base model (for the tiny demo, its warm-started copy, built once per
     run folder), a policy to train (the base model, or the checkpoint's when a resume continues that
@@ -1144,12 +1155,7 @@ class ModelLoader:
         self.base = cfg.model  # what both phases start from, and the KL reference
         if cfg.model == "tiny" and cfg.warm_start > 0:
             self.base = warm_started_tiny_base(run, device, cfg.warm_start)
-        self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"
-        if self.teacher_dir.is_dir() and (problem := model_sources.teacher_folder_problem(self.teacher_dir, cfg.env)):
-            raise SystemExit(f"retireopd: {problem}: restore that folder from a copy, or start a new run (a resume "
-                             "never redoes phase 1 behind a student's checkpoints)")
-        if not cfg.teacher and (problem := model_sources.foreign_teacher_problem(self.teacher_dir, run.run_id)):
-            raise SystemExit(f"retireopd: {problem}")
+        self.teacher_dir = Path(cfg.teacher) if cfg.teacher else run.dir / "teacher"  # (checked: refuse_a_bad_teacher)
 
     def teacher_saved(self) -> bool:
         return (self.teacher_dir / "retireopd.json").is_file()
@@ -1607,6 +1613,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
     if state and algorithm.opd and (problem := repairs.lost_teacher_problem(
             run.dir, checkpoint, state, Path(cfg.teacher) if cfg.teacher else run.dir / "teacher")):
         raise SystemExit(f"retireopd: {problem}")
+    refuse_a_bad_teacher(cfg, run)  # (before a resume trims the logs: a refused command changes nothing)
     if resume_dir:
         if multigpu.main_process():  # (-2: nothing done; -1 is the validation before training)
             repairs.truncate_logs(run.dir, state["phase"] if state else PHASES[0], state["iteration"] if state else -2,

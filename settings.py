@@ -59,7 +59,8 @@ def open_task_suite(cfg, created: list = ()) -> TaskSuite:
                          "it)") from None
     except (FileNotFoundError, ValueError) as error:
         give_back_run_folder(cfg.run_dir, list(created))
-        raise SystemExit(f"retireopd: {error}") from None
+        where = "" if data is None or str(data) in str(error) else f" (the {cfg.env} data in {data})"
+        raise SystemExit(f"retireopd: {error}{where}") from None
     except (OSError, KeyError, TypeError, AttributeError, IndexError, ArithmeticError,
             RecursionError) as error:  # a file of the wrong shape (nested deeper than any: RecursionError)
         give_back_run_folder(cfg.run_dir, list(created))

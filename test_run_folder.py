@@ -518,7 +518,10 @@ def test_a_resume_continues_the_same_run_or_says_why_not(tmp_path, monkeypatch):
     other = interrupted_run(tmp_path, monkeypatch, "other", "--algo", "grpo+opd")
     shutil.rmtree(run_dir / "teacher")
     shutil.copytree(other / "teacher", run_dir / "teacher")
+    logs = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl")}
     one_line_refusal(["--resume", str(run_dir)], "teacher was written by run .+, and this folder holds run")
+    # refused before the resume trims anything: the logs are as they were (the student's report line too)
+    assert {name: (run_dir / name).read_bytes() for name in logs} == logs
 
 
 def test_a_run_inside_another_runs_checkpoints_is_never_taken_for_a_checkpoint(tmp_path, monkeypatch):

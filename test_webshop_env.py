@@ -270,6 +270,7 @@ def test_a_price_that_is_not_a_number_and_json_nested_too_deep_are_one_line(tmp_
     with pytest.raises(SystemExit, match="holds a price that is not a number") as stop:
         settings.open_task_suite(cfg)
     assert "\n" not in str(stop.value)
+    assert f"product {raw[0]['asin']}: " in str(stop.value) and f"the webshop data in {tmp_path})" in str(stop.value)
     (tmp_path / W.PRODUCTS_FILE).write_text("[" * 200_000 + "]" * 200_000)  # before: RecursionError
     with pytest.raises(SystemExit, match="retireopd: ") as stop:
         settings.open_task_suite(cfg)

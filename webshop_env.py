@@ -283,7 +283,10 @@ def process_products(raw_products, attributes, human_instructions=None):
             continue
         seen.add(asin)
         product = dict(raw)
-        pricing, price_tag = parse_pricing(raw.get("pricing"))
+        try:
+            pricing, price_tag = parse_pricing(raw.get("pricing"))
+        except ValueError as error:  # (which product, in a catalogue of thousands)
+            raise ValueError(f"product {asin}: {error}") from None
         options, option_to_image = parse_options(raw["customization_options"])
         bullets = raw["small_description"]
         info = attributes.get(asin, {})
