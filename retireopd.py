@@ -15,8 +15,8 @@ phase, the two phases. There the method ends, at a banner that names what it cal
 Modules hold the rest, none importing this file: engine.py samples; environments.py drives
 alfworld_env.py, webshop_env.py and kitchen_env.py; tiny.py builds the models made in code; run_outputs.py
 writes a run's logs, models and checkpoints; settings.py, model_sources.py, run_folder.py and repairs.py
-check flags, models and run folders; memory.py and dashboards.py measure and show a run; common.py
-holds what they share; bench.py times the model calls. `python retireopd.py` runs the offline demo; docs/choices.md gives every choice.
+check flags, models and run folders; memory.py and dashboards.py measure and show a run; common.py holds
+what they share; bench.py times the model calls. docs/choices.md gives every choice, with its reason.
 """
 
 from __future__ import annotations
@@ -67,22 +67,22 @@ from run_outputs import (INTERRUPTED, Run, Stopped, finished_phases, interrupt_o
 
 
 class Algorithm(NamedTuple):
-    """What one --algo runs. Phase 1 (Skill-GRPO) trains the teacher with GRPO, skills in its prompt.
-    Phase 2 trains a fresh, skill-free student; with a teacher, under the authors' phase-2 protocol
-    (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol)."""
+    """What one --algo runs (README: The algorithm). Phase 1 (Skill-GRPO) trains the teacher with GRPO,
+    skills in its prompt. Phase 2 trains a fresh, skill-free student; with a teacher, under the authors'
+    phase-2 protocol (mini-batch 128, no KL), without one (--algo grpo) under phase 1's (phase_protocol)."""
     phase_1: bool  # the teacher is trained (or --teacher reuses a saved one)
-    phase_2: bool  # the student is trained, with the loss that follows:
-    grpo: bool  # on environment reward: the PPO-clip GRPO loss
-    opd: bool  # distilling from the frozen teacher: lambda * L_OPD
+    phase_2: bool  # the student is trained, with:
+    student_grpo: bool  # the PPO-clip GRPO loss on environment reward
+    student_opd: bool  # lambda * L_OPD toward the frozen teacher
     retirement: str  # "adaptive": the authors' rule ("fixed" with --retire-at N); "never": the teacher stays
 
 
-ALGORITHMS = {
-    "retireopd": Algorithm(phase_1=True, phase_2=True, grpo=True, opd=True, retirement="adaptive"),  # the method
-    "grpo": Algorithm(phase_1=False, phase_2=True, grpo=True, opd=False, retirement="never"),  # the RL baseline
-    "skill-grpo": Algorithm(phase_1=True, phase_2=False, grpo=False, opd=False, retirement="never"),  # teacher alone
-    "opd": Algorithm(phase_1=True, phase_2=True, grpo=False, opd=True, retirement="never"),  # pure distillation
-    "grpo+opd": Algorithm(phase_1=True, phase_2=True, grpo=True, opd=True, retirement="never"),  # never retired
+ALGORITHMS = {  # the method; the RL baseline; the teacher alone; pure distillation; GRPO + OPD never retired
+    "retireopd": Algorithm(phase_1=True, phase_2=True, student_grpo=True, student_opd=True, retirement="adaptive"),
+    "grpo": Algorithm(phase_1=False, phase_2=True, student_grpo=True, student_opd=False, retirement="never"),
+    "skill-grpo": Algorithm(phase_1=True, phase_2=False, student_grpo=False, student_opd=False, retirement="never"),
+    "opd": Algorithm(phase_1=True, phase_2=True, student_grpo=False, student_opd=True, retirement="never"),
+    "grpo+opd": Algorithm(phase_1=True, phase_2=True, student_grpo=True, student_opd=True, retirement="never"),
 }
 # Several processes: `torchrun --nproc_per_node N retireopd.py` sets WORLD_SIZE. The method's three `if ddp:`
 # steps say where processes differ (helpers in multigpu.py); `python retireopd.py` runs none of them.
@@ -128,7 +128,8 @@ class Config:
     entropy_coef: float = arg(0.001, "entropy bonus; 0 skips computing it")
     opd_coef: float = arg(0.01, "lambda: weight of the OPD loss L_OPD (the authors' 0.01); 0 after retirement")
     loss_agg: str = arg("exact", "exact: the loss is one token-mean over each mini-batch | authors: the token-means "
-                        "of groups of --micro-batch-rows samples, summed / the accumulation steps (micro_batch_denominators)")
+                        "of groups of --micro-batch-rows samples, summed / the accumulation steps "
+                        "(micro_batch_denominators)")
     micro_batch_rows: int = arg(8, "--loss-agg authors: turn-samples per group (their micro-batch per GPU)")
     # --- retirement ---
     window: int = arg(5, "W: the gap K is averaged over non-overlapping blocks of W iterations")
@@ -231,17 +232,13 @@ FALLBACK_CHARS = {"alfworld": 30, "webshop": 20, "kitchen": 30}
 
 def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, bool]:
     """(what the environment receives, whether the answer is well formed): the authors' projection
-    (verl-agent's alfworld/webshop projection), and one rule of ours.
-
-    The action is read from the lowercased answer: with both an `<action>` and an `</action>` tag, the
-    text between the first of each, stripped (an `</action>` before the `<action>` gives ""); without,
-    the answer's last FALLBACK_CHARS[env_name] characters, and the answer is malformed. It is also
-    malformed when `<think>` or `</think>` is missing from the answer as written (case-sensitive, as
-    theirs: `<THINK>` does not count), when it holds a character of CJK_RE, or
-    (ours) when it was `cut` at --max-response-tokens. Either way the rollout steps the environment
-    with the string (an inadmissible one changes nothing) and keeps the pair in the history; a
-    malformed answer costs its turn -0.1 (turn_scores). An empty action is well formed, as theirs.
-    """
+    (verl-agent's), and one rule of ours. The action is the lowercased text between the first `<action>`
+    and the first `</action>`, stripped ("" if `</action>` comes first); without both tags, the answer's
+    last FALLBACK_CHARS[env_name] characters, malformed. Also malformed: `<think>` or `</think>` missing
+    from the answer as written (case-sensitive, as theirs), a character of CJK_RE, or (ours) an answer `cut`
+    at --max-response-tokens. Either way the string steps the environment (an inadmissible one changes
+    nothing) and joins the history; a malformed answer costs its turn -0.1 (turn_scores). An empty action
+    is well formed, as theirs."""
     text = answer.lower()
     start, end = text.find("<action>"), text.find("</action>")
     if start == -1 or end == -1:
@@ -301,7 +298,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: boo
 
 
 def k3(logp: torch.Tensor, other_logp: torch.Tensor, max_log_ratio: Optional[float] = None) -> torch.Tensor:
-    """The k3 estimate of KL(pi || other) per token sampled from pi: unbiased, never negative.
+    """The k3 estimate of KL(pi || other) per token sampled from pi: unbiased and never negative, without
+    the clamp (max_log_ratio, for OPD: a cap on exp that trades a little bias for bounded values).
 
         k3_k = exp(min(l^other_k - l_k, max_log_ratio)) - 1 + (l_k - l^other_k)      (..., T) -> (..., T)
     """
@@ -335,7 +333,7 @@ def micro_batch_denominators(lengths: list, rows: int = 8, mini_batch: Optional[
     cut in that order into groups m of `rows` samples (their micro-batches: 8 rows per GPU), T_m the
     tokens of group m; S = ceil(mini_batch / rows), the accumulation steps of a full mini-batch (their
     loss / gradient_accumulation; mini_batch defaults to len(lengths)). Each group's token-mean counts
-    alike, so a token of a short group weighs more; with equal lengths and a full mini-batch D_i = N,
+    alike, so a token of a short group weighs more; equal lengths, a full mini-batch of whole groups: D_i = N,
     and a shorter last mini-batch weighs less, as theirs would. Returns D_i, one per sample."""
     steps = -(-(mini_batch or len(lengths)) // rows)
     denominators = []
@@ -450,8 +448,9 @@ def alignment_progress(previous_block: Optional[float], block: float, eps: float
 
         progress = (K_{m-1} - K_m) / K_{m-1}
 
-    None (the criterion is invalid) without a previous block or when |K_{m-1}| <= eps.
-    "Stopped shrinking": progress <= threshold (0.0), the gap did not decrease at all."""
+    None (the criterion is invalid) without a previous block or when |K_{m-1}| <= eps. "Stopped
+    shrinking": progress <= threshold (0.0), i.e. K_m / K_{m-1} >= 1: the gap kept its sign and its
+    magnitude did not decrease (K is signed: a negative K growing more negative has stopped shrinking too)."""
     if previous_block is None or abs(previous_block) <= eps:
         return None
     return (previous_block - block) / previous_block
@@ -673,9 +672,9 @@ def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.
                   with_entropy: bool = False):
     """token_logprobs(lm_head(hidden), tokens), `chunk` rows at a time: with a 151,936-token vocabulary a
     (batch, seq, vocab) fp32 log-softmax takes gigabytes, so at most `chunk` rows of logits exist at once,
-    recomputed in backward (checkpointed). The logits are fp32 even under bf16 autocast (a bf16 head: fp32
-    sums of its weights). hidden: (N, H) at the positions that predict the N response tokens. Returns (N,)
-    float32 log-probs (and entropies)."""
+    recomputed in backward (checkpointed). The logits are fp32 even under bf16 autocast (a bf16 head's
+    weights are cast up first; on a GPU the matmul runs in TF32: engine.use_tf32_head). hidden: (N, H) at
+    the positions that predict the N response tokens. Returns (N,) float32 log-probs (and entropies)."""
     weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
 
     def one_chunk(h, y):
@@ -723,8 +722,8 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
     meter = UpdateMeter()  # sums of the loss terms, tokens, gradient norms: for metrics.jsonl (plumbing)
-    batches = MiniBatches(model, samples, cfg, meter)  # in one process: the samples' lengths, and micro-batches
-    # of a mini-batch's samples (make_micro_batches); per_token spreads a value per sample over its tokens
+    batches = MiniBatches(model, samples, cfg, meter)  # the samples' response lengths, each mini-batch's
+    # micro-batches (make_micro_batches), per_token: one value per sample spread over its tokens
     with_entropy = advantages is not None and cfg.entropy_coef > 0
     model.train()
     for _epoch in range(cfg.ppo_epochs):
@@ -880,18 +879,18 @@ def train_student(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader, 
     algorithm = ALGORITHMS[cfg.algo]
     policy, tokenizer, resume = models.policy("student")
     retirement = None
-    if algorithm.opd:
+    if algorithm.student_opd:
         mode = "fixed" if cfg.retire_at is not None else algorithm.retirement
         retirement = Retirement(teacher_success, mode, cfg.window, cfg.alignment_threshold, cfg.rho, cfg.retire_at)
         if resume is not None and resume["retirement"] is not None:  # the rule's whole state, as it was saved
             retirement = Retirement(**resume["retirement"])
-    _, kl_coef = phase_protocol(cfg, distilling=algorithm.opd)
+    _, kl_coef = phase_protocol(cfg, distilling=algorithm.student_opd)
     teacher_needed = retirement is not None and not retirement.retired  # (a resume may find it retired)
     frozen = FrozenModels(teacher=models.teacher(policy, tokenizer) if teacher_needed else None,
                           reference=models.frozen_copy(models.base) if kl_coef > 0 else None)
     run.log_memory_estimate(policy, "phase 2", frozen)
     train_phase("student", policy, tokenizer, suite, cfg, run, skills_in_prompt=False, frozen=frozen,
-                grpo_loss=algorithm.grpo, retirement=retirement, resume=resume)
+                grpo_loss=algorithm.student_grpo, retirement=retirement, resume=resume)
     run.log_report("student", evaluate(policy, tokenizer, suite, suite.report_panel, cfg, skills_in_prompt=False,
                                        desc="student report"))
     run.save_student(policy, tokenizer, teacher_success, retirement)
@@ -904,17 +903,18 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) -> None:
         train_teacher(cfg, suite, run, models)
         gc.collect()  # the teacher is saved; its training copy and optimizer leave memory
     if algorithm.phase_2 and "student" not in finished_phases(run.dir):
-        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.opd else None
+        teacher_success = recorded_teacher_success(cfg, models.teacher_dir) if algorithm.student_opd else None
         train_student(cfg, suite, run, models, teacher_success)
 
 
 ####################################################################################################
-# The method ends here. Below: what one process needs to run it; none of it changes the math. The method
-# calls these from below, each named for what it does:
+# The method ends here. Below: what one process needs to run it. The method calls these from below, each
+# named for what it does (the equations are all above; what decides a step's inputs is said where it is called):
 #   the models `ModelLoader` (`ModelLoader.policy`, `ModelLoader.teacher`, `ModelLoader.frozen_copy`,
 #     `ModelLoader.teacher_saved`) and `FrozenModels` (`FrozenModels.release_teacher`)
 #   evaluation `evaluate`, `validate`, `validation_due`, `report_teacher`, `recorded_teacher_success`
-#   the phase's bookkeeping `phase_rng`, `restore_phase`, `prompt_within_budget`, `refuse_a_broken_split`
+#   the prompt's budget `prompt_within_budget`; the phase's bookkeeping `phase_rng`, `restore_phase`,
+#     `refuse_a_broken_split`
 #   meters `RolloutMeter`, `UpdateMeter`, `timed`, `sampling_numerics`
 #   the update's `build_adamw`, `MiniBatches`, `micro_batches`, `step_is_finite`, `set_warmup_lr`,
 #     `stop_if_weights_not_finite`
@@ -1610,7 +1610,7 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
         raise SystemExit(f"retireopd: {checkpoint} was written by {state.get('world_size', 1)} process(es): resume "
                          f"it with as many (torchrun --nproc_per_node {state.get('world_size', 1)}, or python for 1)")
     algorithm, last_iterations = ALGORITHMS[cfg.algo], {p: phase_iterations(cfg, p) - 1 for p in PHASES}
-    if state and algorithm.opd and (problem := repairs.lost_teacher_problem(
+    if state and algorithm.student_opd and (problem := repairs.lost_teacher_problem(
             run.dir, checkpoint, state, Path(cfg.teacher) if cfg.teacher else run.dir / "teacher")):
         raise SystemExit(f"retireopd: {problem}")
     refuse_a_bad_teacher(cfg, run)  # (before a resume trims the logs: a refused command changes nothing)

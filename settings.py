@@ -223,7 +223,7 @@ def config_rules(algorithms: dict, notes: bool) -> list:
          lambda c: f"--lr {c.lr} with --weight-decay {c.weight_decay}: an AdamW step moves each weight by about lr "
                    "and multiplies it by 1 - lr * weight decay, so lr must be < 1 and lr * weight decay < 1 (the "
                    "protocol's lr is 1e-6)"),
-        (lambda c: algorithm(c) is not None and not algorithm(c).opd and c.teacher is not None,  # grpo, skill-grpo
+        (lambda c: algorithm(c) is not None and not algorithm(c).student_opd and c.teacher is not None,  # grpo ...
          lambda c: f"--teacher: --algo {c.algo} trains " + (
              "a teacher and no student" if c.algo == "skill-grpo" else "a student without a teacher")
          + ", so it would not be used: drop it, or choose --algo retireopd, opd or grpo+opd"),

@@ -298,7 +298,7 @@ def test_demo_tells_the_story(demo_run):
     # What held on every seed of 0-4 (docs/labs.md's table), so whichever path this CPU's floats take: skills
     # alone are not a teacher, phase 1 makes one, the student starts far below it, the teacher is retired
     # by the authors' rule, and the retired student ends above its teacher's report and at S_T or above
-    # (within one report episode: seed 2 ended level with it, 0.68 and 0.68). Never one seed's numbers.
+    # (within one report episode: seed 2 ended level with it at two decimals, 0.68). Never one seed's numbers.
     evals = R.read_jsonl(demo_run / "eval.jsonl")
     before = {e["skills"]: e["overall"] for e in evals if e.get("before_training") and e["phase"] == "teacher"}
     teacher_val = [e["overall"] for e in evals if e["phase"] == "teacher" and e["panel"] == "validation"
