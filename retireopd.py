@@ -8,7 +8,7 @@ a full block against the one judged before it. Once K stopped shrinking and the 
 at this and the previous judging validation average at least rho * S_T, the teacher is retired and
 GRPO alone goes on.
 
-Read it top to bottom beside the paper: 1 config and the --algo table, 2 skills and prompts, 3 the
+Read it top to bottom beside the paper: 1 hyper-parameters and the --algo table, 2 skills and prompts, 3 the
 math, 4 rollout, 5 update (with the scoring forward: how each log-prob is taken), 6 one iteration, a
 phase, the two phases. There the method ends, at a banner that names what it calls from below
 (evaluation, bookkeeping, loading, the command line). torchrun adds three `if ddp:` steps (multigpu.py).
@@ -62,7 +62,7 @@ from run_outputs import (INTERRUPTED, Run, Stopped, finished_phases, interrupt_o
 
 
 # ==================================================================================================
-# 1. Config, and what each --algo runs
+# 1. The hyper-parameters, and what each --algo runs
 # ==================================================================================================
 
 
@@ -90,13 +90,14 @@ ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def arg(default, help: str):
-    """A Config field: its default, and the --help text of its flag (build_parser reads both)."""
+    """A field of Hyperparameters or Config: its default, and the --help text of its flag (build_parser)."""
     return field(default=default, metadata={"help": help})
 
 
 @dataclass
-class Config:
-    # ===== the method: the paper's hyper-parameters (the authors' defaults) ==========================
+class Hyperparameters:
+    """The method's knobs, the paper's hyper-parameters (the authors' defaults). Config (section 10) adds
+    what only runs the run: data, devices and memory budgets, outputs; every field is a --flag."""
     model: str = arg("tiny", "tiny: the offline demo (tiny.py); an alias (Qwen2.5-1.5B/3B/7B: the paper's protocol, "
                      "the defaults below), hub id, local folder, or random:<alias>")
     algo: str = arg("retireopd", "retireopd | grpo | skill-grpo | opd | grpo+opd (README: The algorithm)")
@@ -143,44 +144,13 @@ class Config:
     eval_temperature: float = arg(0.4, "sampling temperature of validations and the end-of-phase reports")
     eval_episodes: Optional[int] = arg(None, "cap every panel, for quick checks (ALFWorld: round-robin over task "
                                        "types; WebShop: the first N goals); None = the whole panel")
-    # ===== what only runs the run: data, devices and budgets, outputs ================================
-    alfworld_data: Optional[str] = arg(None, "root with json_2.1.1/ (default $ALFWORLD_DATA, else ~/.cache/alfworld); "
-                                       "\"fixtures\": our own tiny games (the tiny preset's default)")
-    webshop_data: Optional[str] = arg(None, "the official WebShop files (default $WEBSHOP_DATA, else built in)")
-    webshop_reward: str = arg("faithful", "faithful (the original's reward, its option bug kept) | fixed")
-    teacher: Optional[str] = arg(None, "reuse a saved phase-1 teacher folder (skips phase 1)")
-    warm_start: int = arg(0, "tiny only: behaviour-cloning steps that teach the answer format and reading a skill "
-                          "block, on invented dishes (docs/running.md: the offline demo); 0: the random tiny model")
-    # --- devices and memory budgets (how fast, never what is computed) ---
-    device: str = arg("auto", "auto | cuda | cuda:N | cpu")
-    env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
-    sampler: str = arg("eager", "eager: the reference decode loop | static: a static KV cache (bf16 on a GPU) whose "
-                       "decode step is compiled into CUDA graphs on a GPU (engine.py; docs/cost.md) | auto: static on a "
-                       "GPU, eager on CPU")
-    prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
-                             "it times the prompt width, not with B*G); 0: all of them in one forward")
-    eval_batch: int = arg(256, "episodes per lock-step batch of a validation or report: a panel of n tasks is played "
-                          "in ceil(n / this) batches (the memory estimate counts one)")
-    token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
-    logprob_chunk: int = arg(1024, "response positions per lm_head/log-softmax chunk")
-    gradient_checkpointing: bool = arg(True, "recompute activations in backward (GPU only; saves memory)")
-    frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
-                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; docs/choices.md: "
-                            "Precision)")
-    # --- outputs ---
-    run_dir: Optional[str] = arg(None, "output folder (default runs/<env>-<algo>-<time>)")
-    save_every: int = arg(10, "resumable checkpoint every N iterations (also at phase ends, retirement; 0: only there)")
-    keep_checkpoints: int = arg(2, "how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)")
-    report_to: str = arg("none", "none | tensorboard (RUN_DIR/tensorboard) | wandb: a live dashboard of every metrics "
-                         "line, evaluation and the retirement (docs/metrics.md); --resume may change it")
 
 
 # ==================================================================================================
 # 2. Skills and prompts
 # ==================================================================================================
-# What the teacher sees beyond the student: its task type's skill block (skill_text). The texts are ours, short
-# strategy notes per task type, kept beside each environment as plain data; --show-prompts prints a student's
-# and a teacher's first prompt.
+# What the teacher sees beyond the student: its task type's skill block (skill_text), our short strategy notes
+# per task type, kept beside each environment as data. --show-prompts prints a student's and a teacher's prompt.
 SKILLS = {"alfworld": alfworld_env.ALFWORLD_SKILLS, "webshop": webshop_env.WEBSHOP_SKILLS,
           "kitchen": kitchen_env.KITCHEN_SKILLS}
 
@@ -205,12 +175,9 @@ def skill_text(env_name: str, task_type: str) -> str:
 
 def build_user_message(env_name: str, task: str, steps_taken: int, history: list[tuple[str, str]],
                        observation: str, admissible: list[str], skill_block: str = "") -> str:
-    """The user message of s_t (student, no skill_block) or s_t^T (teacher, skill_block = skill_text's).
-
-    The content of the authors' verl-agent prompts, in our words: the task, the steps taken, the
-    last H (observation, action) pairs, the observation, the admissible actions, the format. One
-    function builds both, so the teacher's prompt is the student's plus the skill block.
-    """
+    """The user message of s_t (student, no skill_block) or s_t^T (teacher, skill_block = skill_text's):
+    the content of the authors' verl-agent prompts, in our words (task, steps taken, the last H
+    (observation, action) pairs, observation, admissible actions, format). s_t^T = s_t + the skill block."""
     parts = [skill_block] if skill_block else []
     parts.append(f"{ENV_INTRO[env_name]} Your task: {task}")
     steps = f"You have taken {steps_taken} step(s)."
@@ -232,13 +199,11 @@ FALLBACK_CHARS = {"alfworld": 30, "webshop": 20, "kitchen": 30}
 
 def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, bool]:
     """(what the environment receives, whether the answer is well formed): the authors' projection
-    (verl-agent's), and one rule of ours. The action is the lowercased text between the first `<action>`
-    and the first `</action>`, stripped ("" if `</action>` comes first); without both tags, the answer's
-    last FALLBACK_CHARS[env_name] characters, malformed. Also malformed: `<think>` or `</think>` missing
-    from the answer as written (case-sensitive, as theirs), a character of CJK_RE, or (ours) an answer `cut`
-    at --max-response-tokens. Either way the string steps the environment (an inadmissible one changes
-    nothing) and joins the history; a malformed answer costs its turn -0.1 (turn_scores). An empty action
-    is well formed, as theirs."""
+    (verl-agent's). The action: the lowercased text between the first `<action>` and the first `</action>`,
+    stripped ("" if `</action>` comes first: well formed, as theirs); without both tags, the answer's last
+    FALLBACK_CHARS characters, malformed. Also malformed: `<think>` or `</think>` missing (case-sensitive,
+    as theirs), a CJK_RE character, or (ours) an answer `cut` at --max-response-tokens. Either way the
+    string steps the environment and joins the history; malformed costs its turn -0.1 (turn_scores)."""
     text = answer.lower()
     start, end = text.find("<action>"), text.find("</action>")
     if start == -1 or end == -1:
@@ -273,8 +238,7 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 
 
     scores: (N,) r_{i,t}; group_ids: (N,) each sample's group. Returns (N,) float32. Mean and
     unbiased std over *all turn-samples of the group* (verl-agent: each turn is one sample). A
-    group of equal scores, or of one sample, carries no signal and gets exactly 0 (never NaN).
-    """
+    group of equal scores, or of one sample, carries no signal and gets exactly 0 (never NaN)."""
     advantages = torch.zeros_like(scores, dtype=torch.float64)
     for group in torch.unique(group_ids):
         members = group_ids == group
@@ -313,34 +277,12 @@ def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask
         K    = sum_k mask_k (l^old_k - l^T_k) / sum_k mask_k        (signed: the k1 estimate)
         K_k3 = sum_k mask_k k3(l^old_k, l^T_k) / sum_k mask_k       (never negative)
 
-    Both estimate KL(student || teacher) on the student's samples, over every response token of the
-    iteration. K is what the rule reads (the authors' K = -gap_mean): it can be negative. K_k3 is
-    the diagnostic a plot shows beside it. Returns two floats.
-    """
+    Both estimate KL(student || teacher) over every response token of the iteration. The rule reads K
+    (the authors' -gap_mean; it can be negative); K_k3 is a diagnostic. Returns two floats."""
     mask = torch.ones_like(old_logp) if mask is None else mask
     tokens = mask.sum().clamp(min=1)
     gap = float(((old_logp - teacher_logp) * mask).sum() / tokens)
     return gap, float((k3(old_logp, teacher_logp) * mask).sum() / tokens)
-
-
-def micro_batch_denominators(lengths: list, rows: int = 8, mini_batch: Optional[int] = None) -> list:
-    """--loss-agg authors: how their update averages a mini-batch's token losses l_{i,k}. (the update)
-
-        exact (ours):  L = sum_i sum_k l_{i,k} / N,              N = sum_i n_i       (one token-mean)
-        authors:       L = (1/S) sum_m [sum_{i in m} sum_k l_{i,k} / T_m],  i.e. D_i = S T_{m(i)}
-
-    lengths: n_i, the response tokens of each turn-sample of the mini-batch, in its (shuffled) order,
-    cut in that order into groups m of `rows` samples (their micro-batches: 8 rows per GPU), T_m the
-    tokens of group m; S = ceil(mini_batch / rows), the accumulation steps of a full mini-batch (their
-    loss / gradient_accumulation; mini_batch defaults to len(lengths)). Each group's token-mean counts
-    alike, so a token of a short group weighs more; equal lengths, a full mini-batch of whole groups: D_i = N,
-    and a shorter last mini-batch weighs less, as theirs would. Returns D_i, one per sample."""
-    steps = -(-(mini_batch or len(lengths)) // rows)
-    denominators = []
-    for start in range(0, len(lengths), rows):
-        group = lengths[start:start + rows]
-        denominators += [steps * sum(group)] * len(group)
-    return denominators
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[float] = None,
@@ -349,9 +291,7 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[fl
 
         sum_k mask_k values_k / num_tokens     (num_tokens: default mask.sum(); the whole mini-batch's
                                                 count, so micro-batch losses add up to its token-mean)
-        sum_k mask_k values_k / D_k            (denominators D, like mask: --loss-agg authors,
-                                                micro_batch_denominators)
-    """
+        sum_k mask_k values_k / D_k            (denominators D, like mask: --loss-agg authors)"""
     if denominators is not None:
         return (values * mask / denominators).sum()
     return (values * mask).sum() / max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
@@ -361,20 +301,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip: float = 0.2, dual_clip: float = 3.0, ref_logp: Optional[torch.Tensor] = None,
                 kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
                 num_tokens: Optional[float] = None, denominators: Optional[torch.Tensor] = None):
-    """PPO-clip surrogate with verl's dual clip, plus the reference KL and the entropy bonus.
-                                                                     (paper: the RL backbone)
+    """PPO-clip surrogate, verl's dual clip, the reference KL, the entropy bonus. (paper: RL backbone)
+
         ratio_k = exp(clamp(l^theta_k - l^old_k, -20, 20))   (verl's clamp: never inf)
         L^clip_k = max(-ratio_k A_k, -clip(ratio_k, 1-eps, 1+eps) A_k)
         L^PG_k  = min(L^clip_k, -c A_k)  where A_k < 0  (dual clip: a huge ratio on a bad token
                   cannot blow the loss up),  L^clip_k elsewhere
         L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
 
-    (B, T) tensors (any matching shape); advantages per token. The KL clamp at 10 is verl's
-    low_var_kl. num_tokens, denominators: token_mean's (the whole mini-batch's token count, default
-    mask.sum(), so that micro-batch losses add up to its token-mean; or per-token denominators); the
-    stats (pg_loss, clip_frac, dual_clip_frac, approx_kl_old = mean l^old - l^theta, kl_ref, entropy)
-    add up the same way. Returns (loss, stats).
-    """
+    (B, T) tensors (any matching shape), advantages per token; the KL clamp at 10 is verl's low_var_kl.
+    num_tokens, denominators: token_mean's; the stats (pg_loss, clip_frac, dual_clip_frac, kl_ref, entropy,
+    approx_kl_old = mean l^old - l^theta) add up the same way. Returns (loss, stats)."""
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
@@ -406,8 +343,7 @@ def opd_loss(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Ten
     (B, T) tensors; l^old and l^T are constants. d(w k3)/dl^theta = w (l^theta - l^T): the
     reverse-KL policy gradient with an unclipped, importance-weighted per-token advantage
     lambda (l^T - l^theta), pushing the student toward tokens the teacher finds likelier. (The naive
-    mean(l^theta - l^T) has zero expected gradient: E_pi[grad log pi] = 0.) Returns (loss, stats).
-    """
+    mean(l^theta - l^T) has zero expected gradient: E_pi[grad log pi] = 0.) Returns (loss, stats)."""
     teacher_logp, old_logp = teacher_logp.detach(), old_logp.detach()
     weight = torch.exp(torch.clamp(logp - old_logp, max=10.0))
     k3_teacher = k3(logp, teacher_logp, max_log_ratio=20.0)
@@ -544,10 +480,9 @@ class Retirement:
 # ==================================================================================================
 # 4. Rollout: B tasks x G episodes, played in lock-step
 # ==================================================================================================
-# At every turn the prompts of all active episodes are answered in one batched call (generate, engine.py: the
-# full distribution, no top-k or top-p), then every environment is stepped (environments.py); each turn is one
-# training sample. The policy's prompt carries skills only in phase 1; in phase 2 the teacher's s_t^T is stored
-# beside it, to score.
+# Each turn, all active episodes' prompts are answered in one batched call (generate, engine.py: the full
+# distribution, no top-k or top-p), then every environment is stepped; each turn is one training sample.
+# The policy's prompt carries skills only in phase 1; in phase 2 the teacher's s_t^T is stored, to score.
 ROLLOUT_TEMPERATURE = 1.0  # fixed: only at 1 are the sampled tokens' log-probs (l^old, K's) those of pi itself
 
 
@@ -660,37 +595,12 @@ def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
 def score_tokens(model, input_ids: torch.Tensor, picked: tuple, targets: torch.Tensor, chunk: int,
                  with_entropy: bool):
     """The scoring forward: the base model over the (batch, length) right-padded inputs (causal, no
-    mask), then the log-probs of `targets` from the hidden states at `picked` (rows, columns), through
-    head_logprobs. When sharded, this is a forward of the sharded model (shard registers it), so FSDP
-    gathers the weights it uses."""
+    mask), then token_logprobs(lm_head(hidden), targets) at the hidden states `picked` (rows, columns),
+    fp32, the head in chunks (head_logprobs, section 8: its memory). When sharded, this is a forward of
+    the sharded model (shard registers it), so FSDP gathers the weights it uses."""
     with autocast(input_ids.device):
         hidden = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         return head_logprobs(hidden[picked], targets, model.get_output_embeddings(), chunk, with_entropy)
-
-
-def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 1024,
-                  with_entropy: bool = False):
-    """token_logprobs(lm_head(hidden), tokens), `chunk` rows at a time: with a 151,936-token vocabulary a
-    (batch, seq, vocab) fp32 log-softmax takes gigabytes, so at most `chunk` rows of logits exist at once,
-    recomputed in backward (checkpointed). The logits are fp32 even under bf16 autocast (a bf16 head's
-    weights are cast up first; on a GPU the matmul runs in TF32: engine.use_tf32_head). hidden: (N, H) at
-    the positions that predict the N response tokens. Returns (N,) float32 log-probs (and entropies)."""
-    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
-
-    def one_chunk(h, y):
-        with torch.autocast(h.device.type, enabled=False):
-            bf16_head = weight is not None and weight.dtype != torch.float32
-            logits = (torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
-                      if bf16_head else lm_head(h.float()).float())
-        return token_logprobs(logits, y, with_entropy=True) if with_entropy else (token_logprobs(logits, y), None)
-
-    chunks = [(hidden[start:start + chunk], tokens[start:start + chunk]) for start in range(0, len(hidden), chunk)]
-    scored = [torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False)
-              if torch.is_grad_enabled() and h.requires_grad else one_chunk(h, y) for h, y in chunks]
-    logp = torch.cat([logp for logp, _ in scored]) if scored else hidden.new_zeros(0, dtype=torch.float32)
-    if not with_entropy:
-        return logp
-    return logp, torch.cat([entropy for _, entropy in scored]) if scored else torch.zeros_like(logp)
 
 
 @torch.no_grad()
@@ -713,17 +623,14 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
                mini_batch: int, kl_coef: float = 0.0, ref_logp: Optional[list] = None,
                teacher_logp: Optional[list] = None, opd_coef: float = 0.0, rng: Optional[random.Random] = None) -> dict:
     """cfg.ppo_epochs passes over the turn-samples, one optimizer step per shuffled mini-batch of
-    `mini_batch` turn-samples (MiniBatches: their response lengths, and the micro-batches of at most
-    cfg.token_budget padded tokens its forward and backward run in). Its combined_loss is the token-mean
-    over the whole mini-batch (--loss-agg authors: the authors' mean of micro-batch token-means,
-    micro_batch_denominators): how the micro-batches are cut does not change the loss. The step guard
-    (step_is_finite): a NaN or infinite loss or gradient norm skips the step. advantages[i]: (len(y_i),),
-    None for pure OPD; teacher_logp: l^T, None for no OPD term. Returns the update's metrics."""
+    `mini_batch` of them, run in micro-batches of at most cfg.token_budget padded tokens (MiniBatches).
+    combined_loss is the token-mean over the whole mini-batch (--loss-agg authors: theirs), however the
+    micro-batches are cut. A NaN or infinite loss or gradient norm skips the step (step_is_finite).
+    advantages[i]: (len(y_i),), None for pure OPD; teacher_logp: l^T, None for no OPD term."""
     rng = rng or random.Random(0)
     device = next(model.parameters()).device
     meter = UpdateMeter()  # sums of the loss terms, tokens, gradient norms: for metrics.jsonl (plumbing)
-    batches = MiniBatches(model, samples, cfg, meter)  # the samples' response lengths, each mini-batch's
-    # micro-batches (make_micro_batches), per_token: one value per sample spread over its tokens
+    batches = MiniBatches(model, samples, cfg, meter)  # response lengths; a mini-batch's micro-batches, denominators
     with_entropy = advantages is not None and cfg.entropy_coef > 0
     model.train()
     for _epoch in range(cfg.ppo_epochs):
@@ -732,8 +639,7 @@ def ppo_update(model, optimizer, samples: list, old_logp: list, advantages: Opti
         for start in range(0, len(order), mini_batch):
             mini = order[start:start + mini_batch]
             num_tokens = sum(batches.response_lengths[i] for i in mini)  # the mini-batch's token count
-            denominators = None if cfg.loss_agg == "exact" else batches.per_token(mini, micro_batch_denominators(
-                [batches.response_lengths[i] for i in mini], cfg.micro_batch_rows, mini_batch))  # --loss-agg authors
+            denominators = batches.loss_denominators(mini, mini_batch)  # --loss-agg authors' D_i (exact: None)
             optimizer.zero_grad(set_to_none=True)
             finite = True
             for idx in batches.micro_batches(mini):
@@ -916,8 +822,9 @@ def train(cfg: Config, suite: TaskSuite, run: Run, models: ModelLoader) -> None:
 #   the prompt's budget `prompt_within_budget`; the phase's bookkeeping `phase_rng`, `restore_phase`,
 #     `refuse_a_broken_split`
 #   meters `RolloutMeter`, `UpdateMeter`, `timed`, `sampling_numerics`
-#   the update's `build_adamw`, `MiniBatches`, `micro_batches`, `step_is_finite`, `set_warmup_lr`,
-#     `stop_if_weights_not_finite`
+#   the head in chunks `head_logprobs`; the update's `build_adamw`, `MiniBatches`, `micro_batches`,
+#     `step_is_finite`, `set_warmup_lr`, `stop_if_weights_not_finite`
+#   the run's settings `Config` (the hyper-parameters, and what only runs the run)
 # and, from run_outputs.py, what the run writes into its folder: `Run` (`Run.measured_iterations`,
 #   `Run.end_iteration`, `Run.log_retirement`, `Run.log_report`, `Run.log_memory_estimate`, `Run.save_teacher`,
 #   `Run.save_student`), `phase_iterations`, `finished_phases`.
@@ -1190,9 +1097,55 @@ class ModelLoader:
 
 
 # ==================================================================================================
-# 8. The update's bookkeeping: micro-batches, the step guard, AdamW, the RNG streams
+# 8. Memory and the update's bookkeeping: the head in chunks, micro-batches, the step guard, AdamW
 # ==================================================================================================
-# The micro-batches the scoring forward (section 5) runs in, and what ppo_update keeps and checks around it.
+# How the scoring forward (section 5) fits in memory: the output head in chunks, the micro-batches it runs
+# in; then what ppo_update keeps and checks around it (--loss-agg authors' denominators, the step guard).
+
+
+def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 1024,
+                  with_entropy: bool = False):
+    """token_logprobs(lm_head(hidden), tokens), `chunk` rows at a time: with a 151,936-token vocabulary a
+    (batch, seq, vocab) fp32 log-softmax takes gigabytes, so at most `chunk` rows of logits exist at once,
+    recomputed in backward (checkpointed). The logits are fp32 even under bf16 autocast (a bf16 head's
+    weights are cast up first; on a GPU the matmul runs in TF32: engine.use_tf32_head). hidden: (N, H) at
+    the positions that predict the N response tokens. Returns (N,) float32 log-probs (and entropies)."""
+    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+
+    def one_chunk(h, y):
+        with torch.autocast(h.device.type, enabled=False):
+            bf16_head = weight is not None and weight.dtype != torch.float32
+            logits = (torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
+                      if bf16_head else lm_head(h.float()).float())
+        return token_logprobs(logits, y, with_entropy=True) if with_entropy else (token_logprobs(logits, y), None)
+
+    chunks = [(hidden[start:start + chunk], tokens[start:start + chunk]) for start in range(0, len(hidden), chunk)]
+    scored = [torch.utils.checkpoint.checkpoint(one_chunk, h, y, use_reentrant=False)
+              if torch.is_grad_enabled() and h.requires_grad else one_chunk(h, y) for h, y in chunks]
+    logp = torch.cat([logp for logp, _ in scored]) if scored else hidden.new_zeros(0, dtype=torch.float32)
+    if not with_entropy:
+        return logp
+    return logp, torch.cat([entropy for _, entropy in scored]) if scored else torch.zeros_like(logp)
+
+
+def micro_batch_denominators(lengths: list, rows: int = 8, mini_batch: Optional[int] = None) -> list:
+    """--loss-agg authors: how their update averages a mini-batch's token losses l_{i,k}. (the update)
+
+        exact (ours):  L = sum_i sum_k l_{i,k} / N,              N = sum_i n_i       (one token-mean)
+        authors:       L = (1/S) sum_m [sum_{i in m} sum_k l_{i,k} / T_m],  i.e. D_i = S T_{m(i)}
+
+    lengths: n_i, the response tokens of each turn-sample of the mini-batch, in its (shuffled) order,
+    cut in that order into groups m of `rows` samples (their micro-batches: 8 rows per GPU), T_m the
+    tokens of group m; S = ceil(mini_batch / rows), the accumulation steps of a full mini-batch (their
+    loss / gradient_accumulation; mini_batch defaults to len(lengths)). Each group's token-mean counts
+    alike, so a token of a short group weighs more; equal lengths, a full mini-batch of whole groups: D_i = N,
+    and a shorter last mini-batch weighs less, as theirs would. Returns D_i, one per sample."""
+    steps = -(-(mini_batch or len(lengths)) // rows)
+    denominators = []
+    for start in range(0, len(lengths), rows):
+        group = lengths[start:start + rows]
+        denominators += [steps * sum(group)] * len(group)
+    return denominators
 
 
 def make_micro_batches(lengths: list, token_budget: int) -> list:
@@ -1295,9 +1248,13 @@ class MiniBatches:
         """This process's samples of the mini-batch `mini`, as indices into its own list."""
         return [i - self.offset for i in mini if 0 <= i - self.offset < len(self.samples)]
 
-    def per_token(self, mini: list, values: list) -> dict:
-        """{own sample: its value (one per sample of `mini`) on each of its response tokens}."""
-        value_of = dict(zip(mini, values))
+    def loss_denominators(self, mini: list, mini_batch: int) -> Optional[dict]:
+        """--loss-agg authors: {own sample: its D_i (micro_batch_denominators) on each of its response
+        tokens} for the mini-batch `mini`; None with --loss-agg exact (token_mean's count instead)."""
+        if self.cfg.loss_agg == "exact":
+            return None
+        value_of = dict(zip(mini, micro_batch_denominators([self.response_lengths[i] for i in mini],
+                                                           self.cfg.micro_batch_rows, mini_batch)))
         return {i: torch.full((self.response_lengths[self.offset + i],), float(value_of[self.offset + i]))
                 for i in self.own(mini)}
 
@@ -1463,8 +1420,43 @@ def one_thread_if_small(model, device: torch.device) -> None:
 
 
 # ==================================================================================================
-# 10. Command line and main
+# 10. The run's settings (Config), the command line and main
 # ==================================================================================================
+
+
+@dataclass
+class Config(Hyperparameters):
+    """The run's settings: the method's hyper-parameters (section 1), then what only runs the run."""
+    # --- data ---
+    alfworld_data: Optional[str] = arg(None, "root with json_2.1.1/ (default $ALFWORLD_DATA, else ~/.cache/alfworld); "
+                                       "\"fixtures\": our own tiny games (the tiny preset's default)")
+    webshop_data: Optional[str] = arg(None, "the official WebShop files (default $WEBSHOP_DATA, else built in)")
+    webshop_reward: str = arg("faithful", "faithful (the original's reward, its option bug kept) | fixed")
+    teacher: Optional[str] = arg(None, "reuse a saved phase-1 teacher folder (skips phase 1)")
+    warm_start: int = arg(0, "tiny only: behaviour-cloning steps that teach the answer format and reading a skill "
+                          "block, on invented dishes (docs/running.md: the offline demo); 0: the random tiny model")
+    # --- devices and memory budgets (how fast, never what is computed) ---
+    device: str = arg("auto", "auto | cuda | cuda:N | cpu")
+    env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
+    sampler: str = arg("eager", "eager: the reference decode loop | static: a static KV cache (bf16 on a GPU) whose "
+                       "decode step is compiled into CUDA graphs on a GPU (engine.py; docs/cost.md) | auto: static on a "
+                       "GPU, eager on CPU")
+    prefill_batch: int = arg(16, "prompts prefilled per forward in a rollout turn (the prefill's memory grows with "
+                             "it times the prompt width, not with B*G); 0: all of them in one forward")
+    eval_batch: int = arg(256, "episodes per lock-step batch of a validation or report: a panel of n tasks is played "
+                          "in ceil(n / this) batches (the memory estimate counts one)")
+    token_budget: int = arg(16384, "padded tokens per micro-batch (forward/backward chunk)")
+    logprob_chunk: int = arg(1024, "response positions per lm_head/log-softmax chunk")
+    gradient_checkpointing: bool = arg(True, "recompute activations in backward (GPU only; saves memory)")
+    frozen_dtype: str = arg("float32", "teacher/reference weights: float32 (the student's numerics, so identical "
+                            "models give K = 0 exactly) or bfloat16 (half the memory, e.g. for 3B; docs/choices.md: "
+                            "Precision)")
+    # --- outputs ---
+    run_dir: Optional[str] = arg(None, "output folder (default runs/<env>-<algo>-<time>)")
+    save_every: int = arg(10, "resumable checkpoint every N iterations (also at phase ends, retirement; 0: only there)")
+    keep_checkpoints: int = arg(2, "how many resumable checkpoints to keep, the newest (>= 1; older ones are deleted)")
+    report_to: str = arg("none", "none | tensorboard (RUN_DIR/tensorboard) | wandb: a live dashboard of every metrics "
+                         "line, evaluation and the retirement (docs/metrics.md); --resume may change it")
 
 
 EXAMPLES = """examples:

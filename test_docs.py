@@ -1,6 +1,6 @@
 """The docs cannot drift from the code: README.md and every docs/*.md, read against the code they describe.
 
-Four checks, each failing with the file:line of every offending mention:
+Five checks, each failing with the file:line of every offending mention:
 1. every `--flag` the docs quote exists: a Config field's flag, one of retireopd.py's own actions, a flag of
    bench.py or study.py, or a flag of another tool in OTHER_TOOLS; in a command (a bash block, or a code span
    that starts with `python X.py` or `torchrun`), the flag must be one of that very program's;
@@ -16,7 +16,9 @@ Four checks, each failing with the file:line of every offending mention:
 4. the glossary states a value for each symbol that has a flag (B, G, H, W, ρ, λ, ε, c, the threshold, R_i,
    the malformed penalty), and every value any doc gives a symbol (`W = 5`, `λ = 0.01`, `R_i = 10`,
    `0.01·KL_k3`, "lr 1e-6", "every 5 iterations") is its flag's default or tiny value (or a listed
-   alternative: SYMBOL_ALTERNATIVES, NAMED_VALUES).
+   alternative: SYMBOL_ALTERNATIVES, NAMED_VALUES);
+5. every table of the study (its per-seed table, its claims) is what study.py prints from the study the docs
+   report, docs/study.json (study.py's own record of it), line for line.
 
 Fast: the code is read with `ast` and the parsers are built in-process; nothing runs a model.
 """
@@ -28,6 +30,7 @@ import ast
 import contextlib
 import dataclasses
 import io
+import itertools
 import re
 import shlex
 from functools import lru_cache
@@ -796,3 +799,42 @@ def test_every_python_file_the_docs_name_exists():
     wrong = [f"{unit.where(offset)}: {text}" for unit, offset, text in spans()
              if re.fullmatch(r"\w+\.py", text) and text not in others and not (ROOT / text).is_file()]
     assert not wrong, "Python files the docs name that the project does not have:\n" + "\n".join(wrong)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 5. The study's tables: study.py's output, never a hand copy
+# ------------------------------------------------------------------------------------------------------------
+STUDY = ROOT / "docs" / "study.json"  # the study the docs report, as study.py recorded it (its study.json)
+# A doc that keeps another study's printed table on purpose, and why.
+OTHER_STUDIES = {"labs.md": "the first measurement's study, the one its labs' outcomes were measured against"}
+
+
+def test_the_studys_tables_in_the_docs_are_what_study_py_prints_from_its_record():
+    # every table with study.py's header (the per-seed table, the claims) is, line for line, what study.py's
+    # format_table prints from docs/study.json: the numbers, the claims and their counts (study.claims)
+    import json
+
+    import study
+    printed = study.format_table(json.loads(STUDY.read_text())["rows"])
+    assert (ROOT / "docs" / "study.md").read_text() == printed + "\n", "docs/study.md is not study.py's output"
+    printed = printed.splitlines()
+    headers = {line for line in printed if line.startswith("| seed |") or line.startswith("| claim |")}
+    wrong, found = [], []
+    for path in DOCS:
+        if path.name in OTHER_STUDIES:
+            continue
+        lines = path.read_text().splitlines()
+        for n, line in enumerate(lines):
+            if line.strip() not in headers and not line.startswith(("| seed | base+skills", "| claim | seeds")):
+                continue
+            table = list(itertools.takewhile(lambda text: text.startswith("|"), lines[n:]))
+            start = printed.index(line) if line in printed else -1
+            expected = list(itertools.takewhile(lambda text: text.startswith("|"), printed[start:])) if start >= 0 \
+                else []
+            found.append(path.name)
+            if table != expected:
+                wrong.append(f"{path.relative_to(ROOT)}:{n + 1}: " + next(
+                    (f"{have!r} where study.py prints {want!r}" for have, want in zip(table, expected)
+                     if have != want), f"{len(table)} lines where study.py prints {len(expected)}"))
+    assert {"README.md", "running.md"} <= set(found), f"the study's tables were found only in {found}"
+    assert not wrong, "tables that are not study.py's output of docs/study.json:\n" + "\n".join(wrong)

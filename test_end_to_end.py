@@ -295,10 +295,12 @@ def test_grpo_learns_the_kitchen_and_fails_with_the_advantage_sign_flipped(tiny_
 
 @pytest.mark.slow
 def test_demo_tells_the_story(demo_run):
-    # What held on every seed of 0-4 (docs/labs.md's table), so whichever path this CPU's floats take: skills
-    # alone are not a teacher, phase 1 makes one, the student starts far below it, the teacher is retired
-    # by the authors' rule, and the retired student ends above its teacher's report and at S_T or above
-    # (within one report episode: seed 2 ended level with it at two decimals, 0.68). Never one seed's numbers.
+    # What held on every seed of 0-4 in both studies (docs/running.md: two machines whose phase 2 took other
+    # paths, ten runs), so whichever path this CPU's floats take: skills alone are not a teacher, phase 1 makes
+    # one, the student starts far below it, the authors' rule retires the teacher, and the student ends at
+    # rho * S_T or above, the competence the rule asked of it. That the retired student *passes* its teacher
+    # is a claim over seeds, which study.py counts (5 of 5 on one machine, 4 of 5 on the other, where seed 2's
+    # rule fired only at the last iteration): no single run asserts it. Never one seed's numbers.
     evals = R.read_jsonl(demo_run / "eval.jsonl")
     before = {e["skills"]: e["overall"] for e in evals if e.get("before_training") and e["phase"] == "teacher"}
     teacher_val = [e["overall"] for e in evals if e["phase"] == "teacher" and e["panel"] == "validation"
@@ -306,6 +308,7 @@ def test_demo_tells_the_story(demo_run):
     student_val = [e["overall"] for e in evals if e["phase"] == "student" and e["panel"] == "validation"]
     report = {(e["phase"], e["skills"]): e for e in evals if e["panel"] == "report"}
     s_t = json.loads((demo_run / "teacher" / "retireopd.json").read_text())["teacher_success"]
+    rho = json.loads((demo_run / "config.json").read_text())["rho"]
     (retirement,) = [e for e in R.read_jsonl(demo_run / "events.jsonl") if e["event"] == "retirement"]
     assert before[True] <= 0.3 and before[False] <= 0.1     # 1. the base model: notes help a little
     assert s_t == sum(teacher_val[-2:]) / 2                  # 2. S_T, recorded
@@ -313,13 +316,11 @@ def test_demo_tells_the_story(demo_run):
     assert s_t <= 5 / 6                                      #    which ends imperfect (it is short)
     assert student_val[0] <= s_t / 2                         # 3. the student starts far below it
     assert retirement["rule"] == "adaptive" and retirement["criterion_valid"]  # 4. by the authors' rule
-    assert retirement["progress"] <= 0 and retirement["competence"] >= 0.9 - R.ROUNDING
+    assert retirement["progress"] <= 0 and retirement["competence"] >= rho - R.ROUNDING
     metrics = R.read_jsonl(demo_run / "metrics.jsonl")
     after = [m for m in metrics if m["phase"] == "student" and m["iteration"] >= retirement["retired_at"]]
-    assert after and all(not m["teacher_active"] and m["opd_coef"] == 0 for m in after)
-    student = report[("student", False)]                      # 5. the retired student passes its teacher
-    assert student["overall"] > report[("teacher", True)]["overall"]
-    assert student["overall"] >= s_t - 1 / student["n"]
+    assert all(not m["teacher_active"] and m["opd_coef"] == 0 for m in after)  # (none if it fired at the last)
+    assert report[("student", False)]["overall"] >= rho * s_t  # 5. the student ends at its teacher's level
 
 
 @pytest.mark.slow
