@@ -108,10 +108,10 @@ class Hyperparameters:
     teacher_iterations: Optional[int] = arg(None, "phase 1's, if not --iterations (which alone sets both)")
     batch_tasks: int = arg(16, "B: tasks per iteration")
     group_size: int = arg(8, "G: rollouts per task; a GRPO group")
-    max_turns: Optional[int] = arg(None, "None -> 50 (ALFWorld) / 15 (WebShop)")
+    max_turns: Optional[int] = arg(None, "None -> 50 (ALFWorld) / 15 (WebShop, the kitchen)")
     history: int = arg(2, "H: past (observation, action) pairs shown in the prompt")
     max_response_tokens: int = arg(512, "an answer cut here is malformed (and still steps the env)")
-    max_prompt_tokens: Optional[int] = arg(None, "student budget; None -> 2048 (ALFWorld) / 4096 (WebShop)")
+    max_prompt_tokens: Optional[int] = arg(None, "student budget; None -> 2048 (ALFWorld) / 4096 (WebShop, kitchen)")
     success_reward: float = arg(10.0, "R_i for a won episode")
     malformed_penalty: float = arg(0.1, "subtracted from a turn's score when its answer is malformed")
     # --- update ---
@@ -192,16 +192,15 @@ def build_user_message(env_name: str, task: str, steps_taken: int, history: list
 # The authors' range of "Chinese characters": CJK Unified Ideographs, U+4E00-U+9FFF. Kana, Hangul,
 # Extension A and the compatibility ideographs are outside it (not malformed), as in theirs.
 CJK_RE = re.compile(r"[\u4e00-\u9fff]")
-# What an answer without an <action>...</action> pair sends to the environment: its last characters (the
-# authors': 30 in ALFWorld, 20 in WebShop; the kitchen, ours, as ALFWorld)
+# An answer without an <action> pair sends its last characters: the authors' 30 (ALFWorld), 20 (WebShop); ours 30
 FALLBACK_CHARS = {"alfworld": 30, "webshop": 20, "kitchen": 30}
 
 
 def project_action(answer: str, env_name: str, cut: bool = False) -> tuple[str, bool]:
     """(what the environment receives, whether the answer is well formed): the authors' projection
     (verl-agent's). The action: the lowercased text between the first `<action>` and the first `</action>`,
-    stripped ("" if `</action>` comes first: well formed, as theirs); without both tags, the answer's last
-    FALLBACK_CHARS characters, malformed. Also malformed: `<think>` or `</think>` missing (case-sensitive,
+    stripped ("" if `</action>` comes first: well formed, as theirs); without both tags, the lowercased
+    answer's last FALLBACK_CHARS characters, malformed. Also malformed: `<think>` or `</think>` missing (case-sensitive,
     as theirs), a CJK_RE character, or (ours) an answer `cut` at --max-response-tokens. Either way the
     string steps the environment and joins the history; malformed costs its turn -0.1 (turn_scores)."""
     text = answer.lower()
@@ -277,8 +276,8 @@ def teacher_student_gap(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask
         K    = sum_k mask_k (l^old_k - l^T_k) / sum_k mask_k        (signed: the k1 estimate)
         K_k3 = sum_k mask_k k3(l^old_k, l^T_k) / sum_k mask_k       (never negative)
 
-    Both estimate KL(student || teacher) over every response token of the iteration. The rule reads K
-    (the authors' -gap_mean; it can be negative); K_k3 is a diagnostic. Returns two floats."""
+    Both estimate KL(student || teacher) over every response token of the iteration. The rule reads K,
+    which can be negative (the authors' code logs -K as its gap_mean); K_k3 is a diagnostic. Returns two floats."""
     mask = torch.ones_like(old_logp) if mask is None else mask
     tokens = mask.sum().clamp(min=1)
     gap = float(((old_logp - teacher_logp) * mask).sum() / tokens)
@@ -309,7 +308,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                   cannot blow the loss up),  L^clip_k elsewhere
         L = sum_k mask_k [L^PG_k + kl_coef min(k3(l^theta_k, l^ref_k), 10) - entropy_coef H_k] / num_tokens
 
-    (B, T) tensors (any matching shape), advantages per token; the KL clamp at 10 is verl's low_var_kl.
+    (B, T) tensors (any matching shape), advantages per token. The KL term is verl's low_var_kl: k3 with
+    its log-ratio capped at 20 before exp (never inf), then clamped at 10.
     num_tokens, denominators: token_mean's; the stats (pg_loss, clip_frac, dual_clip_frac, kl_ref, entropy,
     approx_kl_old = mean l^old - l^theta) add up the same way. Returns (loss, stats)."""
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
@@ -323,7 +323,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
              "dual_clip_frac": mean((clip_loss > dual_cap) & (advantages < 0)),
              "approx_kl_old": mean(old_logp - logp)}
     if kl_coef > 0 and ref_logp is not None:
-        kl_ref = torch.clamp(k3(logp, ref_logp), max=10.0)
+        kl_ref = torch.clamp(k3(logp, ref_logp, max_log_ratio=20.0), max=10.0)
         per_token = per_token + kl_coef * kl_ref
         stats["kl_ref"] = mean(kl_ref)
     if entropy_coef > 0 and entropy is not None:
@@ -574,7 +574,7 @@ def sequence_logprobs(model, prompts: list, responses: list, cfg: Config, with_e
     prompts, responses: lists of token-id lists; the *same* response ids are scored under whichever
     prompt is given (s_t or s_t^T), never re-tokenised text. Sequences are right padded (positions
     0..L-1 as in generation): under causal attention the padding after a sequence cannot reach its
-    tokens, so no mask is needed (bit for bit the numbers with one, ~10% faster on CPU). The hidden
+    tokens, so no mask is needed (on a CPU: bit for bit the numbers with one, ~10% faster). The hidden
     state at position t predicts token t+1: only those that predict response tokens reach the head.
     Returns flat tensors over all response tokens, in input order (with gradients if enabled)."""
     device = next(model.parameters()).device
@@ -1435,7 +1435,7 @@ class Config(Hyperparameters):
     teacher: Optional[str] = arg(None, "reuse a saved phase-1 teacher folder (skips phase 1)")
     warm_start: int = arg(0, "tiny only: behaviour-cloning steps that teach the answer format and reading a skill "
                           "block, on invented dishes (docs/running.md: the offline demo); 0: the random tiny model")
-    # --- devices and memory budgets (how fast, never what is computed) ---
+    # --- devices and memory budgets (how fast, never what is computed; but frozen_dtype bfloat16 rounds l^T) ---
     device: str = arg("auto", "auto | cuda | cuda:N | cpu")
     env_workers: int = arg(0, "ALFWorld: processes that step the games in parallel (0: in this process)")
     sampler: str = arg("eager", "eager: the reference decode loop | static: a static KV cache (bf16 on a GPU) whose "

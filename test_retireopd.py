@@ -265,6 +265,13 @@ def test_policy_loss_masked_with_reference_kl_entropy_and_token_mean_over_miniba
     clamped, stats = R.policy_loss(torch.tensor([-30.0]), torch.tensor([-30.0]), torch.zeros(1), torch.ones(1),
                                    ref_logp=torch.tensor([0.0]), kl_coef=1.0)
     assert float(clamped) == 10.0 and stats["kl_ref"] == 10.0
+    # and caps the log-ratio at 20 before exp, as verl's low_var_kl: a ratio of e^100 (inf in fp32) still
+    # gives the clamped 10 and a zero gradient, not NaN (without the cap: 0 * inf in exp's backward)
+    far = torch.tensor([-100.0], requires_grad=True)
+    capped, _ = R.policy_loss(far, far.detach(), torch.zeros(1), torch.ones(1), ref_logp=torch.tensor([0.0]),
+                              kl_coef=1.0)
+    capped.backward()
+    assert float(capped) == 10.0 and float(far.grad) == 0.0
     loss0, stats0 = R.policy_loss(logp, logp, torch.zeros(3), mask, ref_logp=ref, kl_coef=0.0,
                                   entropy=entropy, entropy_coef=0.0)
     assert float(loss0) == 0.0 and "kl_ref" not in stats0 and "entropy" not in stats0
