@@ -271,7 +271,7 @@ def test_policy_loss_masked_with_reference_kl_entropy_and_token_mean_over_miniba
     capped, _ = R.policy_loss(far, far.detach(), torch.zeros(1), torch.ones(1), ref_logp=torch.tensor([0.0]),
                               kl_coef=1.0)
     capped.backward()
-    assert float(capped) == 10.0 and float(far.grad) == 0.0
+    assert float(capped.detach()) == 10.0 and float(far.grad) == 0.0
     loss0, stats0 = R.policy_loss(logp, logp, torch.zeros(3), mask, ref_logp=ref, kl_coef=0.0,
                                   entropy=entropy, entropy_coef=0.0)
     assert float(loss0) == 0.0 and "kl_ref" not in stats0 and "entropy" not in stats0
