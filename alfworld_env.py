@@ -124,7 +124,7 @@ def alfworld_task_type(path):
 
 def _alfworld_game_is_solvable(game_path):
     try:
-        with open(game_path) as f:
+        with open(game_path, encoding="utf-8") as f:
             return json.load(f).get("solvable") is True
     except (OSError, ValueError, AttributeError):
         return False
@@ -677,7 +677,7 @@ def _alfworld_wheel_data():
         raise ImportError("the ALFWorld fixture games need the alfworld package: "
                           "pip install alfworld==0.4.2")
     data = Path(list(spec.submodule_search_locations)[0]) / "data"
-    return (data / "alfred.pddl").read_text(), (data / "alfred.twl2").read_text()
+    return (data / "alfred.pddl").read_text(encoding="utf-8"), (data / "alfred.twl2").read_text(encoding="utf-8")
 
 
 def write_fixture_alfworld_games(out_root):
@@ -706,8 +706,7 @@ def write_fixture_alfworld_games(out_root):
 
 def _write_new_file(path, text):
     """path.write_text(text) into a run folder: whatever held the name is unlinked (a link or a hard link
-    goes, what it pointed to is untouched), and the file is created anew with O_EXCL | O_NOFOLLOW."""
-    if os.path.lexists(path):
-        os.unlink(path)
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+    goes, what it pointed to is untouched), and the file is created anew with O_EXCL (common.create_file)."""
+    from common import create_file
+    with os.fdopen(create_file(path), "w", encoding="utf-8") as f:
         f.write(text)

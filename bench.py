@@ -67,8 +67,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def rounded(gib: Optional[float], digits: int = 2) -> Optional[float]:
+    return None if gib is None else round(gib, digits)  # (None: a platform without the figure, memory.py)
+
+
 def measure(device: torch.device, fn):
-    """(fn's result, its seconds, its peak memory above what was allocated when it started, GiB)."""
+    """(fn's result, its seconds, its peak memory above what was allocated when it started, GiB, or None where
+    the platform gives no figure)."""
     gc.collect()
     synchronize(device)
     base = memory.current_memory_gb(device)
@@ -76,7 +81,7 @@ def measure(device: torch.device, fn):
     start = time.perf_counter()
     result = fn()
     synchronize(device)
-    return result, time.perf_counter() - start, max(memory.peak_memory_gb(device) - base, 0.0)
+    return result, time.perf_counter() - start, memory.memory_above(memory.peak_memory_gb(device), base)
 
 
 def random_prompts(rng: random.Random, vocabulary: int, rows: int, width: int) -> list:
@@ -114,7 +119,7 @@ def decode_probe(model, tokenizer, cfg, sizes: ProbeSizes, sampler: str, rng: ra
         ms = 1000 * (t_long - t_short) / max(steps_long - steps_short, 1)
         prefill_s = max(t_short - steps_short * ms / 1000, 1e-6)
         shape = {"first_call_s": round(first, 2), "ms_per_step": round(ms, 2),
-                 "prefill_tokens_per_s": round(sum(map(len, prompts)) / prefill_s), "peak_gb": round(peak, 2)}
+                 "prefill_tokens_per_s": round(sum(map(len, prompts)) / prefill_s), "peak_gb": rounded(peak)}
         if not result:
             samples = [R.TurnSample(0, i, p, s.ids, False, sample_logp=s.logp) for i, (p, s) in enumerate(zip(prompts, long))]
             shape["gap"] = gap_statistics(samples, R.response_logprobs(model, samples, cfg))
@@ -173,8 +178,8 @@ def training_probe(model, tokenizer, cfg, sizes: ProbeSizes, rng: random.Random)
     return {"sequence_tokens": tokens, "scoring_tokens_per_s": {"policy": round(tokens / t_old),
                                                                  "teacher": round(teacher_tokens / t_teacher)},
             "update_s_per_1k_tokens": round(1000 * t_update / tokens, 4),
-            "peak_gb": {"policy_scoring": round(peak_old, 2), "teacher_scoring": round(peak_teacher, 2),
-                        "first_update": round(peak_first, 2), "update": round(peak_update, 2)}}
+            "peak_gb": {"policy_scoring": rounded(peak_old), "teacher_scoring": rounded(peak_teacher),
+                        "first_update": rounded(peak_first), "update": rounded(peak_update)}}
 
 
 def memory_check(model, cfg, sizes: ProbeSizes, decode: dict, training: dict) -> dict:
@@ -426,9 +431,9 @@ def benchmark(cfg, repeats: int = 3) -> dict:
             memory.reset_peak_memory(device)
             with torch.no_grad():
                 time_stage(name, lambda: (fn(), len(samples) * n_new)[1])
-            peaks[name].append(memory.peak_memory_gb(device) - base)
+            peaks[name].append(memory.memory_above(memory.peak_memory_gb(device), base))
     median = {name: statistics.median(t for t, _ in runs) for name, runs in timings.items()}
-    peak = {name: statistics.median(v) for name, v in peaks.items()}
+    peak = {name: None if None in v else statistics.median(v) for name, v in peaks.items()}
     tokens = {name: runs[-1][1] for name, runs in timings.items()}
     per_s = {name: tokens[name] / median[name] for name in median}
     report = {
@@ -437,11 +442,11 @@ def benchmark(cfg, repeats: int = 3) -> dict:
         "rollout_speed_ratio": round(per_s["ours_generate"] / per_s["plain_generate"], 3),
         "update_speed_ratio": round(per_s["ours_update"] / per_s["plain_update"], 3),
         "logprob_speed_ratio": round(median["plain_logprob"] / median["ours_logprob"], 3),
-        "logprob_peak_gb": {k: round(v, 4) for k, v in peak.items()},
+        "logprob_peak_gb": {k: rounded(v, 4) for k, v in peak.items()},
         # a ratio of two peaks near the measurement's noise (CPU resident-set changes) means
         # nothing, and can even be negative: none below the floor
         "logprob_memory_ratio": round(peak["ours_logprob"] / peak["plain_logprob"], 4)
-        if min(peak.values()) >= MEASURABLE_PEAK_GB else None,
+        if None not in peak.values() and min(peak.values()) >= MEASURABLE_PEAK_GB else None,
     }
     return report
 

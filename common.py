@@ -48,11 +48,49 @@ def pick_device(name: str) -> torch.device:
 # a file is durable (fsync) before it is in place. run_folder.run_folder_problem refuses a folder whose
 # own entries are links or special files at the start; these helpers hold the line while the run goes on.
 
+# What this platform's os.open offers, probed: Linux and macOS have O_NOFOLLOW and O_NONBLOCK; Windows has
+# neither (open_entry then holds the line by other means), and O_BINARY, without which a descriptor would
+# rewrite line ends; it cannot open a folder (no O_DIRECTORY), so a folder is not fsynced there.
+NOFOLLOW, NONBLOCK, BINARY = (getattr(os, name, 0) for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_BINARY"))
+OPENS_FOLDERS = hasattr(os, "O_DIRECTORY")
+
+
+def open_entry(path: Path, flags: int, mode: int = 0o644, folder_ok: bool = False) -> int:
+    """os.open(path, flags) of a run folder's entry, following no link and waiting on no FIFO: with
+    O_NOFOLLOW | O_NONBLOCK where the platform has them. Elsewhere by lstat and fstat: the entry is looked at
+    first (a link, a FIFO or a device is refused before it is opened), a missing one is created with O_EXCL
+    (which follows no link), an existing one opened without O_CREAT (a link swapped in meanwhile creates
+    nothing), and the descriptor must be the file looked at (else it is closed before a byte is read or
+    written). OSError: ELOOP for a link, EINVAL for what is not a regular file (or folder, if folder_ok)."""
+    if NOFOLLOW:
+        return os.open(path, flags | NOFOLLOW | NONBLOCK | BINARY, mode)
+    for _ in range(3):
+        try:
+            seen = os.lstat(path)
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+            try:
+                return os.open(path, flags | os.O_EXCL | BINARY, mode)
+            except FileExistsError:
+                continue  # created meanwhile: look at it again
+        if stat.S_ISLNK(seen.st_mode):
+            raise OSError(errno.ELOOP, "a link where the run keeps a file", str(path))
+        if not (stat.S_ISREG(seen.st_mode) or folder_ok and stat.S_ISDIR(seen.st_mode)):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        fd = os.open(path, flags & ~os.O_CREAT | BINARY, mode)
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+            os.close(fd)
+            raise OSError(errno.ELOOP, "replaced while it was opened (by a link?)", str(path))
+        return fd
+    raise OSError(errno.EEXIST, "created and removed by another process while the run opened it", str(path))
+
 
 def read_owned_text(path: Path) -> str:
-    """The text of a run folder's file, opened without following a link (O_NOFOLLOW) and without waiting on
-    a FIFO (O_NONBLOCK); an entry that is not a regular file raises OSError (ELOOP, or EINVAL)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    """The text of a run folder's file (open_entry: never through a link, never waiting on a FIFO); an entry
+    that is not a regular file raises OSError (ELOOP, or EINVAL)."""
+    fd = open_entry(path, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -100,8 +138,8 @@ def read_jsonl(path: Path, note: bool = False) -> list:
 
 def append_line(path: Path, line: str) -> None:
     """line + newline at the end of a jsonl log, never through a link or into a FIFO."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    with os.fdopen(fd, "a") as f:
+    fd = open_entry(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         f.write(line + "\n")
@@ -144,17 +182,19 @@ def rename_entry(source: Path, target: Path, root: Path) -> None:
 
 def create_file(path: Path) -> int:
     """A new, empty file at path for writing (its descriptor): whatever was there is removed first, and the
-    file is created with O_EXCL | O_NOFOLLOW, so a link planted there meanwhile fails instead of being
+    file is created with O_EXCL (open_entry), so a link planted there meanwhile fails instead of being
     followed."""
     remove_entry(path)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    return open_entry(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
 
 
 def fsync_path(path: Path) -> None:
     """fsync a file, or a folder (the names renamed into it or deleted from it then survive a power loss),
-    opened without following a link or waiting on a FIFO. A filesystem that cannot fsync a folder
-    (EINVAL) keeps its own order."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    opened without following a link or waiting on a FIFO (open_entry). A filesystem that cannot fsync a
+    folder (EINVAL), or a platform that cannot open one (Windows), keeps its own order."""
+    if not OPENS_FOLDERS and stat.S_ISDIR(os.lstat(path).st_mode):
+        return
+    fd = open_entry(path, os.O_RDONLY, folder_ok=True)
     try:
         os.fsync(fd)
     except OSError as error:
@@ -220,10 +260,13 @@ def checkpoint_folders(run_dir: Path) -> list:
 
 
 def read_trainer_state(folder: Path) -> dict:
-    """A checkpoint's trainer.pt, memory-mapped (under torchrun every rank reads it; the pages are shared).
-    weights_only: tensors, numbers, strings, lists, tuples and dicts, which is all it holds; a file that
-    asks to build any other object (a pickle can run code) fails to load, and nothing of it runs."""
-    return torch.load(folder / "trainer.pt", weights_only=True, map_location="cpu", mmap=True)
+    """A checkpoint's trainer.pt. Memory-mapped under torchrun (every rank reads it; the pages are shared);
+    one process reads it whole, since AdamW would otherwise keep its moments in the file's mapping for the
+    rest of the run, and a platform that cannot delete a mapped file (Windows) could not rotate that
+    checkpoint away. weights_only: tensors, numbers, strings, lists, tuples and dicts, which is all it holds;
+    a file that asks to build any other object (a pickle can run code) fails to load, and nothing of it runs."""
+    return torch.load(folder / "trainer.pt", weights_only=True, map_location="cpu",
+                      mmap=int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
 def drop_custom_code(folder: Path) -> None:
@@ -232,9 +275,9 @@ def drop_custom_code(folder: Path) -> None:
     final models, which must name no code (model_sources.saved_model_problem), load again."""
     for name in ("config.json", "tokenizer_config.json"):
         path = Path(folder) / name
-        config = json.loads(path.read_text()) if path.is_file() else None
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
         if isinstance(config, dict) and config.pop("auto_map", None) is not None:
-            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def save_pretrained_as(model, folder: Path, dtype: torch.dtype, weights: Optional[dict] = None) -> None:
@@ -249,6 +292,6 @@ def save_pretrained_as(model, folder: Path, dtype: torch.dtype, weights: Optiona
         copies[key] = tensor.detach().to("cpu", dtype)
     model.save_pretrained(folder, state_dict=copies)
     config_file = Path(folder) / "config.json"
-    config = json.loads(config_file.read_text())
+    config = json.loads(config_file.read_text(encoding="utf-8"))
     config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

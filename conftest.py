@@ -3,6 +3,7 @@ end-to-end run, and the helpers that crash a run on purpose or compare its logs.
 ../shared skip when it is absent (each file says how it finds it)."""
 
 import copy
+import importlib.util
 import json
 import re
 
@@ -12,6 +13,11 @@ import torch
 import retireopd as R
 
 torch.set_num_threads(1)  # tiny tensors: threading overhead only adds noise
+
+# ALFWorld is its own install (it builds its planner): its tests skip without it, saying how to get it
+HAVE_ALFWORLD = importlib.util.find_spec("alfworld") is not None
+ALFWORLD_MISSING = "alfworld is not installed: pip install -r requirements-alfworld.txt (it builds a planner)"
+needs_alfworld = pytest.mark.skipif(not HAVE_ALFWORLD, reason=ALFWORLD_MISSING)
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ def run_summary(run_dir: Path) -> str:
     saved = {}
     for phase in PHASES:
         with contextlib.suppress(OSError, ValueError):
-            record = json.loads((run_dir / phase / "retireopd.json").read_text())
+            record = json.loads((run_dir / phase / "retireopd.json").read_text(encoding="utf-8"))
             saved[phase] = record if isinstance(record, dict) else {}
     teacher_success = saved.get("student", saved.get("teacher", {})).get("teacher_success")
     parts = [f"S_T {teacher_success:.3f}"] if isinstance(teacher_success, (int, float)) else []

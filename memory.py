@@ -5,6 +5,7 @@ beside the method.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -18,15 +19,29 @@ import multigpu
 # ==================================================================================================
 
 
-def process_memory_gb(field_name: str = "VmRSS") -> float:
-    """Linux /proc/self/status: VmRSS (resident now) or VmHWM (peak resident), in GiB."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
+def process_memory_gb(field_name: str = "VmRSS") -> Optional[float]:
+    """This process's resident memory in GiB: VmRSS (now) or VmHWM (its peak), from Linux's /proc/self/status.
+    Where there is no /proc: the peak from the standard library's getrusage (macOS); None where the platform
+    gives no figure (the resident size now, on macOS; either, on Windows, which has no getrusage), never 0."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    if field_name == "VmHWM":
+        try:
+            import resource
+            # ru_maxrss is in bytes on macOS and in KiB on Linux and the BSDs (getrusage(2)): a unit, not a
+            # capability, so the one place this project reads the platform's name
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+        except ImportError:
+            pass
+    return None
 
 
-def current_memory_gb(device: torch.device) -> float:
+def current_memory_gb(device: torch.device) -> Optional[float]:
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else process_memory_gb("VmRSS")
 
 
@@ -35,18 +50,24 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     else:
         try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its RSS
-            with open("/proc/self/clear_refs", "w") as f:
+            with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
                 f.write("5")
         except OSError:
             pass
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the
-    process's peak resident set (VmHWM; the process's peak so far where Linux refuses the reset)."""
+def peak_memory_gb(device: torch.device) -> Optional[float]:
+    """Peak memory since the last reset_peak_memory: CUDA max allocated on a GPU; on CPU the process's peak
+    resident set (process_memory_gb: the process's peak so far where the platform has no reset; None where
+    it gives no figure)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return process_memory_gb("VmHWM")
+
+
+def memory_above(peak: Optional[float], base: Optional[float]) -> Optional[float]:
+    """What a stage added to memory (GiB, at least 0), or None where either figure is missing."""
+    return None if peak is None or base is None else max(peak - base, 0.0)
 
 
 # ==================================================================================================

@@ -125,7 +125,7 @@ def teacher_folder_problem(folder: Path, env: str) -> Optional[str]:
         return (f"{folder}: no retireopd.json (the stored teacher success rate) in that folder; pass a folder "
                 "written by phase 1 of this script")
     try:
-        stored = json.loads(record.read_text())
+        stored = json.loads(record.read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError) as error:
         return f"{record} is damaged ({type(error).__name__}): not a teacher this script wrote"
     success = stored.get("teacher_success") if isinstance(stored, dict) else None
@@ -145,7 +145,7 @@ def foreign_teacher_problem(teacher_dir: Path, run_id: str) -> Optional[str]:
     (one put back in place of a lost teacher, from another run's folder). A teacher of an older version names
     none, and is taken as the run's."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        written_by = json.loads((teacher_dir / "retireopd.json").read_text()).get("run_id")
+        written_by = json.loads((teacher_dir / "retireopd.json").read_text(encoding="utf-8")).get("run_id")
         if isinstance(written_by, str) and written_by != run_id:
             return (f"{teacher_dir} was written by run {written_by}, and this folder holds run {run_id}: put this run's "
                     "own teacher back (from a copy), or pass the other one as --teacher to a new run")
@@ -188,7 +188,7 @@ def saved_model_problem(folder: Path) -> Optional[str]:
     configs = {}
     for path in sorted(folder.glob("*.json")):
         try:
-            configs[path.name] = json.loads(path.read_text())
+            configs[path.name] = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError, IsADirectoryError):
             return f"{path.name} is cut short or damaged"
     custom = [name for name in ("config.json", "tokenizer_config.json")
@@ -202,7 +202,7 @@ def saved_model_problem(folder: Path) -> Optional[str]:
     template = folder / "chat_template.jinja"
     in_config = (configs.get("tokenizer_config.json") or {}).get("chat_template") \
         if isinstance(configs.get("tokenizer_config.json"), dict) else None
-    if not in_config and not (template.is_file() and template.read_text().strip()):
+    if not in_config and not (template.is_file() and template.read_text(encoding="utf-8").strip()):
         return "no chat template (chat_template.jinja is missing or empty): the prompts are built with it"
     stored = {}  # every tensor the weight files hold: its shape
     for path in weights:

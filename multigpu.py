@@ -51,7 +51,7 @@ def start_processes(cfg) -> torch.device:
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=timedelta(hours=2))
     if not main_process():
-        sys.stdout = open(os.devnull, "w")  # one voice: rank 0's (errors still reach stderr)
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # one voice: rank 0's (errors still reach stderr)
     cfg.run_dir = broadcast(cfg.run_dir)  # the default folder is named by the time: rank 0's
     return device
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+import huggingface_hub
 import torch
 import transformers
 from tqdm.auto import tqdm
@@ -1013,7 +1014,7 @@ def recorded_teacher_success(cfg: Config, teacher_dir: Path) -> float:
     S_T = 0 stops the run here for the adaptive rule: its competence test cannot be judged."""
     if problem := model_sources.teacher_folder_problem(teacher_dir, cfg.env):  # (damaged since the run started)
         raise SystemExit(f"retireopd: {problem}")
-    stored = json.loads((teacher_dir / "retireopd.json").read_text())["teacher_success"]
+    stored = json.loads((teacher_dir / "retireopd.json").read_text(encoding="utf-8"))["teacher_success"]
     teacher_success = stored if cfg.teacher_success is None else cfg.teacher_success
     print(f"[retireopd] S_T = {teacher_success:.3f}: the teacher's validation success with skills"
           + (f" (--teacher-success; recorded {stored:.3f})" if cfg.teacher_success is not None else
@@ -1388,7 +1389,7 @@ def warm_started_tiny_base(run: Run, device: torch.device, steps: int,
         model, tokenizer = load_policy("tiny", device, torch.float32, seed=0)
         key = tiny.warm_start_key(steps, 0, tokenizer, prompt_format())
         with contextlib.suppress(OSError, ValueError):
-            if shipped is not None and json.loads((shipped / "retireopd.json").read_text()).get("key") == key:
+            if shipped is not None and json.loads((shipped / "retireopd.json").read_text(encoding="utf-8")).get("key") == key:
                 remove_entry(run.dir / "tiny_base.tmp")
                 shutil.copytree(shipped, run.dir / "tiny_base.tmp")
                 fsync_tree(run.dir / "tiny_base.tmp")
@@ -1558,6 +1559,8 @@ def show_prompts(cfg: Config) -> None:
 
 
 def main(argv: Optional[list] = None) -> Optional[Path]:
+    transformers.utils.logging.disable_progress_bar()  # its loading and shard-writing bars: the run's own say it
+    huggingface_hub.utils.enable_progress_bars()  # (a model's download keeps its bar)
     args = vars(build_parser().parse_args(argv))
     if problem := settings.path_flag_problem(args):  # an empty path (an unset variable), a file to resume ...
         raise SystemExit(f"retireopd: {problem}")
@@ -1650,8 +1653,9 @@ def main(argv: Optional[list] = None) -> Optional[Path]:
 
 
 if __name__ == "__main__":
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # a scheduler's stop, a closed terminal: as Ctrl-C, but
-        signal.signal(stop_signal, stop_at_the_next_safe_point)  # at the end of the iteration, with a checkpoint
+    for name in ("SIGTERM", "SIGHUP", "SIGBREAK"):  # a scheduler's stop, a closed terminal, Windows' Ctrl-Break
+        if hasattr(signal, name):  # (those this platform has): as Ctrl-C, but at the iteration's end, checkpointed
+            signal.signal(getattr(signal, name), stop_at_the_next_safe_point)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where the shell ignores Ctrl-C)
         signal.signal(signal.SIGINT, interrupt_once)
     try:

@@ -16,14 +16,15 @@ import hashlib
 import json
 import os
 import shlex
+import socket
 import stat
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from common import (checkpoint_folders, create_file, read_jsonl, read_owned_text, read_trainer_state, remove_entry,
-                    rename_entry, write_text_atomically)
+from common import (checkpoint_folders, create_file, open_entry, read_jsonl, read_owned_text, read_trainer_state,
+                    remove_entry, rename_entry, write_text_atomically)
 from model_sources import weights_fingerprint
 
 
@@ -192,13 +193,17 @@ def lock_run_folder(folder: Path) -> None:
     """One process per run folder: an exclusive flock on RUN_DIR/.retireopd.lock, taken before the folder
     is checked and held until this process ends (a crash or SIGKILL releases it too). The file names
     the holder, for the one-line refusal of a second start or of a --resume of a live run. A filesystem
-    without locks (some network disks) gets a note: the folder is then not guarded."""
-    import fcntl
+    without locks (some network disks) gets a note: the folder is then not guarded. Where there is no
+    flock (Windows), filelock's lock (lock_without_flock)."""
     path = folder / LOCK_FILE
     if str(path.resolve()) in HELD_LOCKS:  # this process holds it already (main called again, as tests do)
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # never through a link
-    handle = os.fdopen(fd, "r+")
+    try:
+        import fcntl
+    except ImportError:
+        HELD_LOCKS[str(path.resolve())] = lock_without_flock(folder, path)
+        return
+    handle = os.fdopen(open_entry(path, os.O_RDWR | os.O_CREAT), "r+", encoding="utf-8")  # never through a link
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -213,14 +218,43 @@ def lock_run_folder(folder: Path) -> None:
     HELD_LOCKS[str(path.resolve())] = handle
 
 
+class FileLockHolder:
+    """A lock taken with filelock (lock_without_flock), held as the flock'ed file is: close() releases it."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def close(self) -> None:
+        self.lock.release()
+
+
+def lock_without_flock(folder: Path, path: Path) -> FileLockHolder:
+    """The folder's lock where the platform has no flock: filelock (torch's and the hub's dependency) takes
+    what the platform offers (msvcrt's byte-range lock on Windows), released as a flock is when this process
+    ends. filelock owns the lock file, so it does not name the holder; a link at its name is refused first."""
+    import filelock
+    if os.path.islink(path):
+        raise SystemExit(f"retireopd: {path} is a link: a run folder's own entries are never links (remove it)")
+    lock = filelock.FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise SystemExit(f"retireopd: {folder} is in use by another process: one process per run folder; wait "
+                         f"for it to end (or stop it), then `--resume {folder}` continues the run") from None
+    except OSError as error:
+        print(f"[retireopd] note: {folder}'s filesystem cannot lock files ({error.strerror}): nothing keeps a "
+              "second process out of this run folder")
+    return FileLockHolder(lock)
+
+
 def name_the_holder(folder: Path) -> None:
     """Write who holds the folder's lock into the lock file (once the folder is taken: a refused start
-    leaves it as it was), for the refusal another start will print."""
+    leaves it as it was), for the refusal another start will print (not into filelock's file)."""
     handle = HELD_LOCKS.get(str((folder / LOCK_FILE).resolve()))
-    if handle is not None:
+    if handle is not None and not isinstance(handle, FileLockHolder):
         handle.seek(0)
         handle.truncate()
-        handle.write(f"process {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+        handle.write(f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')} "
                      f"(`{shlex.join(sys.argv)[:300]}`)")
         handle.flush()
 

@@ -101,7 +101,7 @@ class Run:
                 save_pretrained_as(model, tmp, dtype, weights)
             tokenizer.save_pretrained(tmp)
             if extra is not None:
-                (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2))
+                (tmp / "retireopd.json").write_text(json.dumps(extra, indent=2), encoding="utf-8")
             if trainer_state is not None:
                 torch.save(trainer_state, tmp / "trainer.pt")
             drop_custom_code(tmp)
@@ -157,7 +157,8 @@ class Run:
         """One metrics.jsonl line; under torchrun the slowest rank's time and the largest rank's peak, after
         a check that every rank fed the retirement rule the same numbers and took the same decision."""
         record["t_iteration"] = multigpu.max_over_ranks(time.perf_counter() - self.iteration_started)
-        record["peak_mem_gb"] = multigpu.max_over_ranks(memory.peak_memory_gb(self.device))
+        peaks = [peak for peak in multigpu.gather_objects(memory.peak_memory_gb(self.device)) if peak is not None]
+        record["peak_mem_gb"] = max(peaks) if peaks else None  # (None: a platform without the figure)
         rules = multigpu.gather_objects({key: record.get(key)
                                          for key in ("gap", "val_success", "teacher_active", "retired")})
         if len({json.dumps(rule) for rule in rules}) > 1:  # (they come from gathered numbers)

@@ -4,7 +4,6 @@ the turn cap, an engine exception), memoised parsing, worker processes that play
 process, and the 24 real games of ../shared/alfworld replayed from their expert plans (skipped when
 ../shared or alfworld is absent). Slow: the replays."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -22,13 +21,7 @@ from alfworld_env import (
     alfworld_data_root, alfworld_eval_panel, alfworld_task_type, discover_alfworld_games,
     write_fixture_alfworld_games, _ALFWORLD_MEMO,
 )
-from conftest import small_cfg, QUICK, one_line_refusal
-
-
-HAVE_ALFWORLD = importlib.util.find_spec("alfworld") is not None
-
-
-needs_alfworld = pytest.mark.skipif(not HAVE_ALFWORLD, reason="alfworld is not installed")
+from conftest import ALFWORLD_MISSING, HAVE_ALFWORLD, QUICK, needs_alfworld, one_line_refusal, small_cfg
 
 
 def _shared_alfworld():
@@ -40,7 +33,7 @@ def _shared_alfworld():
 @pytest.fixture(scope="module")
 def fixture_root(tmp_path_factory):
     if not HAVE_ALFWORLD:
-        pytest.skip("alfworld is not installed")
+        pytest.skip(ALFWORLD_MISSING)
     return write_fixture_alfworld_games(tmp_path_factory.mktemp("alfworld_fixture"))
 
 
@@ -435,7 +428,7 @@ def _real_games():
 REAL_ROOT, REAL_GAMES = _real_games()
 
 
-needs_real = pytest.mark.skipif(not REAL_GAMES, reason="shared/alfworld or alfworld missing")
+needs_real = pytest.mark.skipif(not REAL_GAMES, reason="../shared/alfworld is absent" if HAVE_ALFWORLD else ALFWORLD_MISSING)
 
 
 @needs_real
@@ -472,7 +465,7 @@ def test_real_game_expert_replay_wins(record):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("alfworld") is None, reason="alfworld is not installed")
+@needs_alfworld
 def test_broken_alfworld_games_through_the_real_engine(tmp_path):
     import alfworld_env
     root = alfworld_env.write_fixture_alfworld_games(tmp_path / "games")
@@ -490,7 +483,7 @@ def test_broken_alfworld_games_through_the_real_engine(tmp_path):
                      "every episode of the student validation \\(3 tasks\\) failed to start")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("alfworld") is None, reason="alfworld is not installed")
+@needs_alfworld
 def test_fixture_games_are_written_anew_never_through_a_link(tmp_path, fixture_root):
     """A run rewrites its fixture games at every start: a link or a hard link left at a game's name is
     replaced, and what it pointed to is untouched (before: write_text wrote through both)."""

@@ -6,7 +6,7 @@ one line."""
 import pytest
 
 import retireopd as R
-from conftest import one_line_refusal
+from conftest import needs_alfworld, one_line_refusal
 
 
 def test_the_bare_command_is_the_offline_demo_and_a_real_model_gets_the_papers_protocol(tmp_path):
@@ -18,7 +18,7 @@ def test_the_bare_command_is_the_offline_demo_and_a_real_model_gets_the_papers_p
     assert not (tmp_path / "demo").exists() and not (tmp_path / "paper").exists()  # parsing writes nothing
 
 
-@pytest.mark.parametrize("env", ["kitchen", "webshop", "alfworld"])
+@pytest.mark.parametrize("env", ["kitchen", "webshop", pytest.param("alfworld", marks=needs_alfworld)])
 def test_show_prompts_prints_the_students_and_the_teachers_first_prompt_and_writes_nothing(tmp_path, capsys, env):
     run_dir = tmp_path / "run"
     assert R.main(["--show-prompts", "--env", env, "--run-dir", str(run_dir)]) is None

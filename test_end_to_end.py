@@ -16,7 +16,7 @@ import torch
 import retireopd as R
 from common import checkpoint_folders
 import tiny as built_in_models  # (the name `tiny` is the fixture of the tiny model)
-from conftest import small_cfg, FakeSuite, QUICK, run_cli, phases, comparable
+from conftest import small_cfg, FakeSuite, QUICK, needs_alfworld, run_cli, phases, comparable
 
 
 # --- every --algo, end to end ------------------------------------------------------------------------
@@ -27,7 +27,8 @@ FAST_RUNS = {("retireopd", "webshop"), ("grpo", "webshop"), ("grpo", "alfworld")
 
 
 @pytest.mark.parametrize("algo,env", [
-    pytest.param(algo, env, id=f"{algo}-{env}", marks=() if (algo, env) in FAST_RUNS else pytest.mark.slow)
+    pytest.param(algo, env, id=f"{algo}-{env}", marks=[*(() if (algo, env) in FAST_RUNS else [pytest.mark.slow]),
+                                                        *([needs_alfworld] if env == "alfworld" else [])])
     for env in ("webshop", "alfworld") for algo in ("retireopd", "grpo", "skill-grpo", "opd", "grpo+opd")])
 def test_every_algo_runs_to_completion(tmp_path, algo, env):
     # webshop: the built-in catalogue; alfworld: the fixture games, through the real engine

@@ -6,7 +6,7 @@ import pytest
 
 import bench
 import retireopd as R
-from conftest import QUICK, one_line_refusal, save_teacher
+from conftest import HAVE_ALFWORLD, QUICK, one_line_refusal, save_teacher
 
 
 def test_loss_agg_flags_fail_in_one_line_before_anything_runs(tmp_path):
@@ -29,10 +29,11 @@ def test_bad_flags_fail_before_any_model_is_loaded(tmp_path):
                            (["--teacher", str(tmp_path)], "retireopd.json"),
                            (["--retire-at", "2", "--algo", "grpo"], "--retire-at"),
                            (["--retire-at", "99"], "--retire-at"),
-                           (["--frozen-dtype", "int8"], "--frozen-dtype"), (["--model", "Qwen2.5-15B"], "alias"),
+                           (["--frozen-dtype", "int8"], "--frozen-dtype"), (["--model", "Qwen2.5-15B", "--env", "webshop"], "alias"),
                            (["--env-workers", "-1"], "--env-workers"),
                            (["--prefill-batch", "-1"], "--prefill-batch"),
-                           (["--env", "alfworld", "--alfworld-data", str(tmp_path / "none")], "alfworld-download"),
+                           (["--env", "alfworld", "--alfworld-data", str(tmp_path / "none")],
+                            "alfworld-download" if HAVE_ALFWORLD else "requirements-alfworld.txt"),
                            (["--env", "webshop", "--webshop-data", str(tmp_path)], "items_shuffle_1000.json"),
                            # accepted silently once: nothing trains, an empty panel, all pairs but the first
                            (["--ppo-epochs", "0"], "--ppo-epochs"), (["--eval-episodes", "0"], "--eval-episodes"),
@@ -113,3 +114,15 @@ def test_budgets_and_the_seed_are_checked_in_one_line(tmp_path, flags, message):
     one_line_refusal(["--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags], message)
     assert not (tmp_path / "x").exists()
     assert R.parse_config({"model": "tiny", "max_prompt_tokens": 128, "seed": 2**32 - 1}).seed == 2**32 - 1
+
+
+def test_alfworld_without_its_package_is_one_line_that_names_its_install(tmp_path, monkeypatch):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # (as a set-up without requirements-alfworld.txt)
+                        lambda name, *args: None if name == "alfworld" else real_find_spec(name, *args))
+    for flags in ([], ["--show-prompts"]):
+        one_line_refusal(["--env", "alfworld", "--run-dir", str(tmp_path / "x"), *flags],
+                         r"--env alfworld needs the alfworld package, its own install: pip install -r "
+                         r"requirements-alfworld.txt")
+    assert not (tmp_path / "x").exists()

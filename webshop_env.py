@@ -1313,7 +1313,7 @@ def _main(argv):
         queries = None
         golden = Path(data_dir or ".") / "golden_search.jsonl"
         if data_dir and golden.is_file():
-            queries = [json.loads(line)["query"] for line in golden.open()]
+            queries = [json.loads(line)["query"] for line in golden.open(encoding="utf-8")]
         for key, value in benchmark(data_dir, queries).items():
             print(f"{key:>18}: {value:.3f}" if isinstance(value, float) else f"{key:>18}: {value}")
         return
