@@ -52,6 +52,10 @@ def open_task_suite(cfg, created: list = ()) -> TaskSuite:
     back (the folders in `created`, and the lock), so nothing blocks the corrected command. A data folder
     that yields no task for training or for a panel is refused here too."""
     data = {"alfworld": cfg.alfworld_data, "webshop": cfg.webshop_data}.get(cfg.env)
+    if cfg.env == "alfworld" and importlib.util.find_spec("alfworld") is None:
+        give_back_run_folder(cfg.run_dir, list(created))
+        raise SystemExit("retireopd: --env alfworld needs the alfworld package, its own install: pip install -r "
+                         "requirements-alfworld.txt (it builds a planner: a C++ compiler and make; on Windows, in WSL)")
     try:
         suite = TaskSuite(cfg)
     except PermissionError as error:
@@ -181,9 +185,6 @@ def config_rules(algorithms: dict, notes: bool) -> list:
     return [
         (lambda c: c.algo not in algorithms, lambda c: f"--algo {c.algo!r}: choose one of {', '.join(algorithms)}"),
         (lambda c: c.env not in ENVS, lambda c: f"--env {c.env!r}: choose alfworld, webshop or kitchen"),
-        (lambda c: c.env == "alfworld" and importlib.util.find_spec("alfworld") is None,
-         "--env alfworld needs the alfworld package, its own install: pip install -r requirements-alfworld.txt (it "
-         "builds a planner: a C++ compiler and make; on Windows, in WSL)"),
         (lambda c: c.group_size < 2, "--group-size must be >= 2: GRPO normalises within a group"),
         (lambda c: not 0 < c.rho <= 1, "--rho must be in (0, 1]"),
         (lambda c: c.window < 1, "--window must be >= 1"),

@@ -119,7 +119,10 @@ def test_no_module_imports_the_method_back_and_ordinary_tooling_runs_the_script(
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             assert "retireopd" not in imported, f"{path.name} imports retireopd (line {node.lineno})"
     assert "sys.modules" not in (here / "retireopd.py").read_text()
-    for tool in (["-m", "cProfile", "-o", str(tmp_path / "prof.out")], ["-m", "pdb", "-c", "continue"]):
+    tools = [["-m", "cProfile", "-o", str(tmp_path / "prof.out")], ["-m", "pdb", "-c", "continue"]]
+    if sys.version_info[:3] == (3, 13, 0):  # its pdb refuses a script's own flags (CPython gh-125115, fixed in 3.13.1)
+        tools.pop()
+    for tool in tools:
         done = subprocess.run([sys.executable, *tool, "retireopd.py", "--show-prompts"], cwd=here,
                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert done.returncode == 0 and "===== teacher" in done.stdout, (tool, done.stderr[-2000:])

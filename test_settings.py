@@ -29,10 +29,10 @@ def test_bad_flags_fail_before_any_model_is_loaded(tmp_path):
                            (["--teacher", str(tmp_path)], "retireopd.json"),
                            (["--retire-at", "2", "--algo", "grpo"], "--retire-at"),
                            (["--retire-at", "99"], "--retire-at"),
-                           (["--frozen-dtype", "int8"], "--frozen-dtype"), (["--model", "Qwen2.5-15B", "--env", "webshop"], "alias"),
+                           (["--frozen-dtype", "int8"], "--frozen-dtype"), (["--model", "Qwen2.5-15B"], "alias"),
                            (["--env-workers", "-1"], "--env-workers"),
                            (["--prefill-batch", "-1"], "--prefill-batch"),
-                           (["--env", "alfworld", "--alfworld-data", str(tmp_path / "none")],
+                           (["--env", "alfworld", "--alfworld-data", str(tmp_path / "none")],  # (the package first)
                             "alfworld-download" if HAVE_ALFWORLD else "requirements-alfworld.txt"),
                            (["--env", "webshop", "--webshop-data", str(tmp_path)], "items_shuffle_1000.json"),
                            # accepted silently once: nothing trains, an empty panel, all pairs but the first
