@@ -3,7 +3,8 @@
     python study.py                                    # seeds 0-4, two runs at a time, into runs/study
     python study.py --seeds 5 6 7 --jobs 1 --out runs/check
     python study.py --figure docs/demo_compare.png     # also regenerate the README's figure
-    python study.py --teachers runs/study --out runs/lab-lambda --variants retireopd grpo+opd -- --opd-coef 0.01
+    python study.py --teachers teachers --out runs/lab-lambda --variants retireopd grpo+opd -- --opd-coef 0.01
+    python study.py --build-teachers                   # train the shipped teachers/ again (phase 1 of seeds 0-4)
 
 For each seed it runs `python retireopd.py --model tiny --seed S` (phase 1, then RetireOPD's phase 2),
 then, reusing that seed's teacher (`--teacher`, so phase 1 runs once per seed), phase 2 of
@@ -24,26 +25,34 @@ over seeds, never read off one seed. Every flag after `--` goes to every run.
 
 For the labs (docs/labs.md): with --teachers STUDY each seed reuses STUDY's teacher and base model,
 so phase 1 never runs: `retireopd` is then phase 2 alone (`--teacher`), and the columns of the
-teacher side (base+skills, base, S_T, teacher) are read from STUDY. --base-from STUDY reuses only
-its base model (phase 1 runs again). --script FILE runs FILE instead of retireopd.py: a lab's
-change to the method, written as a few lines that import retireopd, change one thing, call main().
+teacher side (base+skills, base, S_T, teacher) are read from STUDY. The project ships the teachers of
+seeds 0-4 in that layout (--teachers teachers; without a base model of their own: the project's
+tiny_base/, which they were trained from); --build-teachers trains them again (phase 1 alone) and
+writes them there. --base-from STUDY reuses only its base model (phase 1 runs again). --script FILE
+runs FILE instead of retireopd.py: a lab's change to the method, a few lines that import retireopd,
+change one thing, call main().
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import write_bytes_atomically, write_text_atomically
+from common import remove_entry, rename_entry, write_bytes_atomically, write_text_atomically
 
 HERE = Path(__file__).resolve().parent
+TEACHERS = HERE / "teachers"  # the labs' teachers of seeds 0-4, as a study holds them (build_teachers writes them)
+SHIPPED_BASE = HERE / "tiny_base"  # the project's base model (retireopd.SHIPPED_BASE), which they were trained from
 
 # variant -> the flags of its run (beside --model tiny --seed S); TEACHER and EARLY/LATE are filled in
 VARIANTS = {
@@ -75,7 +84,7 @@ def read_jsonl(path: Path) -> list:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -112,6 +121,8 @@ def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: lis
     started = time.time()
     home = teachers or out  # the study whose retireopd runs hold the teachers
     base = (teachers or base_from or out) / f"seed{seeds[0]}" / "retireopd" / "tiny_base"
+    if (teachers or base_from) and not base.exists():  # the shipped teachers/: trained from the project's base
+        base = SHIPPED_BASE
     todo = [(seed, variant) for variant in variants for seed in seeds]  # every seed's teacher first
     todo = [job for job in todo if not finished(out / f"seed{job[0]}" / job[1])]
     running: dict = {}
@@ -144,7 +155,7 @@ def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: lis
             if not first and not (run_dir / "tiny_base").exists():
                 run_dir.mkdir(exist_ok=True)
                 shutil.copytree(base, run_dir / "tiny_base")
-            log = open(run_dir.parent / f"{variant}.log", "a")
+            log = open(run_dir.parent / f"{variant}.log", "a", encoding="utf-8")
             process = subprocess.Popen(command(variant, seed, run_dir, teacher, early, late, extra,
                                                teachers is not None, script), cwd=HERE, env=child_env(),
                                        stdout=log, stderr=subprocess.STDOUT)
@@ -153,6 +164,50 @@ def run_all(seeds: list, out: Path, jobs: int, early: int, late: int, extra: lis
             print(f"[study] started: seed {seed} {variant}", flush=True)
         time.sleep(1)
     return time.time() - started
+
+
+def teacher_flags(seed: int) -> list:
+    """The flags of the run that trains seed `seed`'s shipped teacher: phase 1 alone. --algo skill-grpo trains
+    the teacher of the study's retireopd run, bit for bit (the same phase 1), and adds a report without skills."""
+    return ["--model", "tiny", "--seed", str(seed), "--algo", "skill-grpo"]
+
+
+def build_teachers(seeds: list, jobs: int, scratch: Path, into: Path = TEACHERS) -> None:
+    """into/seedS/retireopd for each seed, in a study's layout (--teachers reads it): phase 1 run anew in
+    scratch/seedS/skill-grpo from the project's base model (copied in), `jobs` at a time, then its teacher
+    folder as the run saved it, its eval.jsonl (phase 1's evaluations) and build.json (how it was built:
+    the flags, the run's settings, the key of the base model it started from, the machine, the weights' sha256)."""
+    def build(seed: int) -> None:
+        run_dir = scratch / f"seed{seed}" / "skill-grpo"
+        log_path = run_dir.parent / "skill-grpo.log"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_entry(run_dir, scratch)  # (left by an earlier build: every build trains anew)
+        run_dir.mkdir()
+        shutil.copytree(SHIPPED_BASE, run_dir / "tiny_base")  # (reused as it is, as a study's runs reuse theirs)
+        with open(log_path, "w", encoding="utf-8") as log:
+            done = subprocess.run([sys.executable, str(HERE / "retireopd.py"), *teacher_flags(seed), "--run-dir",
+                                   str(run_dir)], cwd=HERE, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise SystemExit(f"study: the teacher of seed {seed} failed (exit {done.returncode}); see {log_path}")
+        settings = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+        del settings["run_dir"]  # (the scratch folder's)
+        record = {"built_by": "python study.py --build-teachers", "flags": teacher_flags(seed), "settings": settings,
+                  "base_key": json.loads((run_dir / "tiny_base" / "retireopd.json").read_text(encoding="utf-8"))["key"],
+                  "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+                  "wall_s": [e["wall_s"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "done"][0]}
+        folder, tmp = into / f"seed{seed}" / "retireopd", into / f"seed{seed}" / "retireopd.tmp"
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        remove_entry(tmp, into)  # (never through a link: copied into a new folder, renamed over the old one)
+        shutil.copytree(run_dir / "teacher", tmp / "teacher", copy_function=shutil.copyfile)
+        record["weights_sha256"] = hashlib.sha256((tmp / "teacher" / "model.safetensors").read_bytes()).hexdigest()
+        write_text_atomically(tmp / "eval.jsonl", (run_dir / "eval.jsonl").read_text(encoding="utf-8"))
+        write_text_atomically(tmp / "build.json", json.dumps(record, indent=2) + "\n")
+        rename_entry(tmp, folder, into)
+        s_t = json.loads((folder / "teacher" / "retireopd.json").read_text(encoding="utf-8"))["teacher_success"]
+        print(f"[study] teacher of seed {seed}: S_T {s_t:.2f}, in {folder} ({record['wall_s']:.0f}s)", flush=True)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(build, seeds))  # (a seed that failed raises here, once the others are done)
 
 
 def report(run_dir: Path, phase: str, skills: bool):
@@ -169,7 +224,7 @@ def seed_row(folder: Path, teacher_folder: Path = None) -> dict:
     full, home = folder / "retireopd", (teacher_folder or folder) / "retireopd"
     before = {r["skills"]: r["overall"] for r in read_jsonl(home / "eval.jsonl")
               if r.get("before_training") and r["phase"] == "teacher"}
-    teacher = json.loads((home / "teacher" / "retireopd.json").read_text())
+    teacher = json.loads((home / "teacher" / "retireopd.json").read_text(encoding="utf-8"))
     retired = [e["retired_at"] for e in read_jsonl(full / "events.jsonl") if e["event"] == "retirement"]
     row = {"base+skills": before.get(True), "base": before.get(False), "S_T": teacher["teacher_success"],
            "teacher": report(home, "teacher", True), "retired": retired[0] if retired else None}
@@ -249,7 +304,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--out", default="runs/study", help="folder of the study's run folders")
+    parser.add_argument("--out", help="folder of the study's run folders [default: runs/study; with "
+                        "--build-teachers: runs/teachers]")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each uses one CPU thread)")
     parser.add_argument("--retire-early", type=int, default=8, help="--retire-at of the early fixed schedule")
     parser.add_argument("--retire-late", type=int, default=40, help="--retire-at of the late fixed schedule")
@@ -260,13 +316,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--base-from", help="reuse only this study's base model (phase 1 runs again)")
     parser.add_argument("--script", default=str(HERE / "retireopd.py"),
                         help="the program each run executes: retireopd.py, or a lab's change to it")
+    parser.add_argument("--build-teachers", action="store_true",
+                        help="train the project's teachers/ again (phase 1 alone of each of --seeds, from tiny_base/) "
+                             "and write them there; its runs go to --out")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit("study: --jobs must be >= 1")
     # every path from where the study is started (its runs start in the project's folder)
-    out = Path(os.path.abspath(args.out))
+    out = Path(os.path.abspath(args.out or ("runs/teachers" if args.build_teachers else "runs/study")))
+    if args.build_teachers:
+        if extra or args.teachers or args.base_from or Path(args.script).resolve() != HERE / "retireopd.py":
+            raise SystemExit("study: --build-teachers trains the labs' teachers as the study does: it takes only "
+                             "--seeds, --jobs and --out")
+        build_teachers(args.seeds, args.jobs, out)
+        return {}
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"study: --out {args.out} is not a folder")
+        raise SystemExit(f"study: --out {args.out or out} is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     teachers, base_from = (Path(os.path.abspath(p)) if p else None for p in (args.teachers, args.base_from))
     script = Path(args.script).resolve()
@@ -280,7 +345,7 @@ def main(argv=None) -> dict:
                                                                        else {}),
                 **({"script": str(script)} if script != HERE / "retireopd.py" else {})}
     saved = out / "study.json"
-    before = json.loads(saved.read_text()) if saved.is_file() else {"settings": settings, "wall_s": 0.0}
+    before = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {"settings": settings, "wall_s": 0.0}
     if before["settings"] != settings:
         raise SystemExit(f"study: {out} holds a study with other settings ({saved}): choose another --out")
     variants = (["retireopd"] if teachers is None else []) + [v for v in args.variants if v != "retireopd"

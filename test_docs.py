@@ -3,7 +3,8 @@
 Five checks, each failing with the file:line of every offending mention:
 1. every `--flag` the docs quote exists: a Config field's flag, one of retireopd.py's own actions, a flag of
    bench.py or study.py, or a flag of another tool in OTHER_TOOLS; in a command (a bash block, or a code span
-   that starts with `python X.py` or `torchrun`), the flag must be one of that very program's;
+   that starts with `python X.py` or `torchrun`), the flag must be one of that very program's; and every command
+   of the labs (labs.md, labs-key.md) parses as its script's, a script there is, from the shipped teachers;
 2. every default the docs state for a flag, in each phrasing they use (DEFAULT_PHRASINGS: "`--window` (5; the
    demo: 2)", "`[default: 5; tiny: 2]`", "256 by default", "`--loss-agg exact`, the default", "0.4
    (`--eval-temperature`)", ...), is the Config default, and the demo's value is tiny.TINY_PRESET's; a
@@ -49,6 +50,7 @@ OTHER_TOOLS = {  # flags of programs other than ours, by program
     "torchrun": {"--nproc_per_node", "--standalone", "--shutdown-timeout"},
     "pytest": {"--collect-only"},
     "tensorboard": {"--logdir"},
+    "pip": {"--index-url"},  # the CPU wheel of torch on Linux (README)
 }
 # Values the docs give a flag in passing that are neither its default, nor the tiny preset's, nor one of the
 # choices its --help lists (`retireopd | grpo | ...`): an alternative, an error case, an example, on purpose.
@@ -75,6 +77,8 @@ EXTERNAL_NAMES = {
     "encode_batch", "from_pretrained",
     # ALFWorld / TextWorld, and the original WebShop's code
     "PddlEnv", "AlfredDemangler", "AlfredInfos", "AlfredTWEnv", "goal_options",
+    # the standard library's getrusage field, whose unit differs by platform (running.md)
+    "ru_maxrss",
     # a placeholder: "Setting `R.X` for a name that lives in another module changes nothing"
     "R.X",
 }
@@ -641,7 +645,7 @@ def parameters(function) -> set:
 
 MODULE_ALIASES = {"R": "retireopd"}  # the labs' `import retireopd as R`
 NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
-FILE_SUFFIX = re.compile(r"\.(py|jsonl?|md|png|txt|pt|safetensors|sh|model|ini|lock|tmp|corrupt|out|tw-pddl)$")
+FILE_SUFFIX = re.compile(r"\.(py|jsonl?|md|png|txt|pt|safetensors|sh|model|ini|lock|tmp|corrupt|out|tw-pddl|ipynb)$")
 
 
 def looks_like_code(name: str, called: bool) -> bool:
@@ -794,11 +798,63 @@ def test_every_test_the_docs_name_exists():
 
 
 def test_every_python_file_the_docs_name_exists():
-    # a module split or renamed leaves its old name in the docs: `checks.py`
+    # a module split or renamed leaves its old name in the docs: `checks.py` (and the notebook: `course.ipynb`)
     others = {"core_algos.py": "verl's, in the authors' code", "train.py": "nanoGPT's"}
     wrong = [f"{unit.where(offset)}: {text}" for unit, offset, text in spans()
-             if re.fullmatch(r"\w+\.py", text) and text not in others and not (ROOT / text).is_file()]
+             if re.fullmatch(r"\w+\.(py|ipynb)", text) and text not in others and not (ROOT / text).is_file()]
     assert not wrong, "Python files the docs name that the project does not have:\n" + "\n".join(wrong)
+
+
+def test_every_command_of_the_labs_runs_a_script_there_is_with_flags_it_takes():
+    # the handout's and the key's commands, as a student copies them: the script exists (or the lab's heredoc
+    # writes it just before), its flags parse (study.py's, and those after `--` each run's), its --variants are
+    # study.py's, its --teachers folder holds the teachers of its seeds; and every lab starts at once: each
+    # study.py command reuses the shipped teachers (--teachers teachers) or is the lab that trains its own
+    import study
+    R, _ = project()
+    wrong, seen = [], 0
+    for name in ("labs.md", "labs-key.md"):
+        written = set()  # the files a heredoc of this doc writes (`cat > lab_flip.py <<'EOF'`)
+        for unit, offset, words in commands():
+            if unit.path.name != name or unit.kind != "code":
+                continue
+            where = f"{unit.where(offset)}: {' '.join(words)}"
+            if words[:2] == ["cat", ">"]:
+                written.add(words[2])
+                continue
+            if words[0] != "python" or not words[1].endswith(".py"):
+                wrong.append(f"{where}: not a `python SCRIPT.py` command")
+                continue
+            seen += 1
+            script, args = words[1], words[2:]
+            if not (ROOT / script).is_file():
+                wrong.append(f"{where}: no {script} in the project")
+                continue
+            own, runs = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
+            parsers = [(script_parser("study") if script == "study.py" else R.build_parser(), own)]
+            if script == "study.py":
+                parsers.append((R.build_parser(actions=False), runs))
+            for parser, given in parsers:
+                with contextlib.redirect_stderr(io.StringIO()) as error:
+                    try:
+                        parsed = vars(parser.parse_args(given))
+                    except SystemExit:
+                        wrong.append(f"{where}: {error.getvalue().strip().splitlines()[-1]}")
+                        parsed = None
+                if parser is parsers[0][0] and parsed is not None and script == "study.py":
+                    if parsed["script"] != str(ROOT / "retireopd.py") and parsed["script"] not in written:
+                        wrong.append(f"{where}: --script {parsed['script']}: neither the project's nor a heredoc's")
+                    if parsed["teachers"] is None and parsed["script"] == str(ROOT / "retireopd.py") \
+                            and not parsed["build_teachers"]:
+                        wrong.append(f"{where}: trains its own teachers (no --teachers teachers): the lab waits")
+                    if parsed["base_from"] and not (ROOT / parsed["base_from"]).is_dir():
+                        wrong.append(f"{where}: --base-from {parsed['base_from']}: no such folder")
+                    for seed in parsed["seeds"] if parsed["teachers"] else []:
+                        if not (ROOT / parsed["teachers"] / f"seed{seed}" / "retireopd" / "teacher").is_dir():
+                            wrong.append(f"{where}: {parsed['teachers']} holds no teacher for seed {seed}")
+                    assert set(parsed["variants"]) <= set(study.VARIANTS)  # (argparse's choices)
+    assert seen >= 15, f"only {seen} commands found in the labs: is the parser still reading them?"
+    assert not wrong, "commands of the labs that would not start as written:\n" + "\n".join(wrong)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -806,7 +862,7 @@ def test_every_python_file_the_docs_name_exists():
 # ------------------------------------------------------------------------------------------------------------
 STUDY = ROOT / "docs" / "study.json"  # the study the docs report, as study.py recorded it (its study.json)
 # A doc that keeps another study's printed table on purpose, and why.
-OTHER_STUDIES = {"labs.md": "the first measurement's study, the one its labs' outcomes were measured against"}
+OTHER_STUDIES = {"labs-key.md": "the first measurement's study, the one its labs' outcomes were measured against"}
 
 
 def test_the_studys_tables_in_the_docs_are_what_study_py_prints_from_its_record():

@@ -1,13 +1,22 @@
 """Tests of study.py on run folders written by hand: what each column reads, how the claims are
-counted, and that finished runs are reused (no run is started here)."""
+counted, and that finished runs are reused (no run is started here); and the shipped teachers (current
+with the code; and what the code builds: slow, it trains one).
 
+    python study.py --build-teachers      # refresh teachers/ (phase 1 of seeds 0-4, about 3 min on 2 cores)
+"""
+
+import dataclasses
+import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import model_sources
+import retireopd as R
 import study
 
 VARIANT_REPORTS = {"retireopd": 0.9, "grpo+opd": 0.6, "opd": 0.5, "grpo": 0.4, "retire-early": 0.7,
@@ -176,3 +185,98 @@ def test_a_lab_script_and_another_studys_base(tmp_path, monkeypatch):
     assert (lab / "seed0" / "retireopd" / "tiny_base" / "retireopd.json").is_file()  # the study's base, copied in
     with pytest.raises(SystemExit, match="--script nowhere.py: no such file"):
         study.main(["--out", str(tmp_path / "other"), "--script", "nowhere.py"])
+
+
+def test_the_shipped_teachers_start_a_lab_from_the_projects_base(tmp_path, monkeypatch):
+    # --teachers teachers (and --base-from teachers): a folder of teachers without a base model of its own;
+    # each run gets the project's tiny_base/, the base they were trained from, and the table their side
+    started = []
+
+    class Finished:  # a run that writes what retireopd.py would, at once
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+            run = Path(cmd[cmd.index("--run-dir") + 1])
+            assert (run / "tiny_base" / "model.safetensors").read_bytes() == \
+                (study.SHIPPED_BASE / "model.safetensors").read_bytes()
+            write_jsonl(run / "eval.jsonl", [{"phase": "student", "iteration": 49, "panel": "report", "skills": False,
+                                              "overall": 0.75}])
+            write_jsonl(run / "events.jsonl", [{"event": "done"}])
+            if "--teacher" not in cmd:  # phase 1 too: its teacher
+                (run / "teacher").mkdir()
+                (run / "teacher" / "retireopd.json").write_text(json.dumps({"teacher_success": 0.5}))
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(study.subprocess, "Popen", Finished)
+    monkeypatch.setattr(study.time, "sleep", lambda seconds: None)
+    rows = study.main(["--seeds", "1", "--out", str(tmp_path / "lab"), "--teachers", "teachers", "--variants", "opd"])
+    teacher = study.TEACHERS / "seed1" / "retireopd" / "teacher"
+    assert started[0][started[0].index("--teacher") + 1] == str(teacher)
+    assert rows[1]["S_T"] == json.loads((teacher / "retireopd.json").read_text())["teacher_success"]
+    assert rows[1]["opd"] == 0.75 and rows[1]["base+skills"] is not None
+    script = tmp_path / "lab_misled.py"
+    script.write_text("import retireopd\nretireopd.main()\n")
+    study.main(["--seeds", "1", "--out", str(tmp_path / "misled"), "--base-from", "teachers", "--script", str(script),
+                "--variants", "retireopd"])  # (phase 1 again, from the same base: lab 6)
+    assert "--teacher" not in started[1] and started[1][1] == str(script)
+
+
+def test_the_shipped_teachers_are_current_with_the_code(tmp_path):
+    # the labs start from teachers/ (--teachers teachers) only while each teacher is what --build-teachers
+    # trains today: from the shipped base (its key), with the settings phase 1 runs with now, S_T what its
+    # validations give, a whole model folder that fits the base; else refresh them (this file's docstring)
+    base_key = json.loads((study.SHIPPED_BASE / "retireopd.json").read_text())["key"]
+    base, tokenizer = R.load_policy(str(study.SHIPPED_BASE), torch.device("cpu"), torch.float32)
+    assert sorted(p.name for p in study.TEACHERS.iterdir() if p.is_dir()) == [f"seed{s}" for s in range(5)]
+    for seed in range(5):
+        home = study.TEACHERS / f"seed{seed}" / "retireopd"
+        assert {p.name for p in home.iterdir()} == {"teacher", "eval.jsonl", "build.json"}, seed  # (no checkpoints)
+        built = json.loads((home / "build.json").read_text())
+        assert built["flags"] == study.teacher_flags(seed) and built["base_key"] == base_key, \
+            f"teachers/seed{seed} was not trained from tiny_base/ by --build-teachers: refresh it"
+        today = dataclasses.asdict(R.parse_config(vars(R.build_parser(actions=False).parse_args(
+            built["flags"] + ["--run-dir", "unused"]))))
+        del today["run_dir"]
+        assert built["settings"] == json.loads(json.dumps(today)), \
+            f"teachers/seed{seed} was trained with other settings than phase 1 has today: refresh it"
+        assert built["settings"]["seed"] == seed and built["settings"]["algo"] == "skill-grpo"
+        record = json.loads((home / "teacher" / "retireopd.json").read_text())
+        validations = [r["overall"] for r in study.read_jsonl(home / "eval.jsonl") if r["phase"] == "teacher"
+                       and r["panel"] == "validation" and r["skills"] and not r.get("before_training")]
+        assert record["teacher_success"] == R.teacher_success_rate(validations), seed
+        assert record["validations"] == validations[-2:] and record["env"] == "kitchen"
+        assert model_sources.teacher_folder_problem(home / "teacher", "kitchen") is None
+        weights = (home / "teacher" / "model.safetensors").read_bytes()  # (not damaged on the way: a git filter)
+        assert hashlib.sha256(weights).hexdigest() == built["weights_sha256"], seed
+        teacher, _ = R.load_policy(str(home / "teacher"), torch.device("cpu"), torch.float32)
+        assert model_sources.teacher_fit_problem(teacher, home / "teacher", base, tokenizer) is None
+        row = study.seed_row(tmp_path, home.parent)  # what --teachers teachers reads of it
+        assert row["S_T"] == record["teacher_success"] and None not in (row["base+skills"], row["base"],
+                                                                        row["teacher"]), seed
+
+
+@pytest.mark.slow
+def test_the_shipped_teachers_are_what_the_code_builds(tmp_path):
+    # seed 0's teacher trained again by this code (--build-teachers, into tmp_path), against the shipped one.
+    # Not weight by weight: on another CPU the sums round otherwise and RL amplifies it, so 24 iterations of
+    # phase 1 take another path. By what it does: both are teachers (S_T well above the base model with
+    # skills) of about the same strength. Robust because the margins are wider than the spread over five
+    # seeds, five paths from the same base (S_T 0.50-0.71 and 0.33-0.53 above base+skills, the report
+    # 0.50-0.72), and a phase 1 that learns nothing fails both (tried: 2 iterations gave S_T 0.19, below
+    # base+skills, 0.21 on seed 0). Measured on the machine that built them: bit-identical.
+    study.build_teachers([0], 1, tmp_path / "runs", tmp_path / "teachers")
+    built = study.seed_row(tmp_path / "nowhere", tmp_path / "teachers" / "seed0")
+    shipped = study.seed_row(tmp_path / "nowhere", study.TEACHERS / "seed0")
+    same = (tmp_path / "teachers" / "seed0" / "retireopd" / "teacher" / "model.safetensors").read_bytes() == \
+        (study.TEACHERS / "seed0" / "retireopd" / "teacher" / "model.safetensors").read_bytes()
+    side = ("base+skills", "S_T", "teacher")
+    print(f"built {[built[k] for k in side]}, shipped {[shipped[k] for k in side]} ({', '.join(side)}); weights "
+          f"bit-identical: {same}")
+    assert abs(built["base+skills"] - shipped["base+skills"]) <= 0.1  # the same base, evaluated by this code
+    for row in (built, shipped):
+        assert row["S_T"] >= row["base+skills"] + 0.25 and row["teacher"] >= row["base+skills"] + 0.25, \
+            [row[k] for k in side]
+    assert abs(built["S_T"] - shipped["S_T"]) <= 0.25 and abs(built["teacher"] - shipped["teacher"]) <= 0.25
