@@ -52,6 +52,34 @@ def fake_seed(folder: Path, s_t: float, reports: dict, retired_at=8, base=(0.25,
         write_jsonl(run / "events.jsonl", events)
 
 
+def instant_runs(monkeypatch, base_is_right, events: tuple = ()) -> list:
+    """study.py's runs replaced by ones that write at once what retireopd.py would: the student's report (0.75),
+    `events` and `done`, and a phase 1's teacher (S_T 0.5); each asserts base_is_right(its tiny_base folder).
+    Returns the list their commands are appended to."""
+    started = []
+
+    class Finished:
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+            run = Path(cmd[cmd.index("--run-dir") + 1])
+            assert base_is_right(run / "tiny_base")
+            write_jsonl(run / "eval.jsonl", [{"phase": "student", "iteration": 49, "panel": "report", "skills": False,
+                                              "overall": 0.75}])
+            write_jsonl(run / "events.jsonl", [*events, {"event": "done"}])
+            if "--teacher" not in cmd:  # phase 1 too: its teacher
+                (run / "teacher").mkdir()
+                (run / "teacher" / "retireopd.json").write_text(json.dumps({"teacher_success": 0.5}))
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(study.subprocess, "Popen", Finished)
+    monkeypatch.setattr(study.time, "sleep", lambda seconds: None)
+    return started
+
+
 def test_seed_row_reads_each_column_from_the_run_folders(tmp_path):
     fake_seed(tmp_path / "seed3", 0.625, VARIANT_REPORTS)
     row = study.seed_row(tmp_path / "seed3")
@@ -136,24 +164,8 @@ def test_teachers_of_another_study_are_reused_and_read(tmp_path, monkeypatch):
         "--model", "tiny", "--seed", "0", "--run-dir", str(lab / "seed0" / "retireopd"), "--algo", "retireopd",
         "--teacher", str(teacher), "--rho", "1"]
     assert "--teacher" not in study.command("grpo", 0, lab / "seed0" / "grpo", teacher, 8, 40, [], True)
-    started = []
-
-    class Finished:  # a run that writes what retireopd.py would, at once
-        returncode = 0
-
-        def __init__(self, cmd, **kwargs):
-            started.append(cmd)
-            run = Path(cmd[cmd.index("--run-dir") + 1])
-            assert (run / "tiny_base" / "retireopd.json").is_file()  # the study's base, copied in
-            write_jsonl(run / "eval.jsonl", [{"phase": "student", "iteration": 49, "panel": "report", "skills": False,
-                                              "overall": 0.75}])
-            write_jsonl(run / "events.jsonl", [{"event": "retirement", "retired_at": 12}, {"event": "done"}])
-
-        def poll(self):
-            return 0
-
-    monkeypatch.setattr(study.subprocess, "Popen", Finished)
-    monkeypatch.setattr(study.time, "sleep", lambda seconds: None)
+    started = instant_runs(monkeypatch, lambda base: (base / "retireopd.json").is_file(),  # the study's, copied in
+                           [{"event": "retirement", "retired_at": 12}])
     rows = study.main(["--seeds", "0", "--out", str(lab), "--teachers", str(tmp_path / "study"),
                        "--variants", "retireopd", "--", "--rho", "1"])
     assert len(started) == 1 and started[0][-4:] == ["--teacher", str(teacher), "--rho", "1"]
@@ -190,28 +202,8 @@ def test_a_lab_script_and_another_studys_base(tmp_path, monkeypatch):
 def test_the_shipped_teachers_start_a_lab_from_the_projects_base(tmp_path, monkeypatch):
     # --teachers teachers (and --base-from teachers): a folder of teachers without a base model of its own;
     # each run gets the project's tiny_base/, the base they were trained from, and the table their side
-    started = []
-
-    class Finished:  # a run that writes what retireopd.py would, at once
-        returncode = 0
-
-        def __init__(self, cmd, **kwargs):
-            started.append(cmd)
-            run = Path(cmd[cmd.index("--run-dir") + 1])
-            assert (run / "tiny_base" / "model.safetensors").read_bytes() == \
-                (study.SHIPPED_BASE / "model.safetensors").read_bytes()
-            write_jsonl(run / "eval.jsonl", [{"phase": "student", "iteration": 49, "panel": "report", "skills": False,
-                                              "overall": 0.75}])
-            write_jsonl(run / "events.jsonl", [{"event": "done"}])
-            if "--teacher" not in cmd:  # phase 1 too: its teacher
-                (run / "teacher").mkdir()
-                (run / "teacher" / "retireopd.json").write_text(json.dumps({"teacher_success": 0.5}))
-
-        def poll(self):
-            return 0
-
-    monkeypatch.setattr(study.subprocess, "Popen", Finished)
-    monkeypatch.setattr(study.time, "sleep", lambda seconds: None)
+    started = instant_runs(monkeypatch, lambda base: (base / "model.safetensors").read_bytes() ==
+                           (study.SHIPPED_BASE / "model.safetensors").read_bytes())
     rows = study.main(["--seeds", "1", "--out", str(tmp_path / "lab"), "--teachers", "teachers", "--variants", "opd"])
     teacher = study.TEACHERS / "seed1" / "retireopd" / "teacher"
     assert started[0][started[0].index("--teacher") + 1] == str(teacher)
