@@ -97,7 +97,32 @@ def read_owned_text(path: Path) -> str:
         return f.read().decode(errors="replace")
 
 
-RECORD_KEYS = {"metrics.jsonl": ("phase", "iteration"), "events.jsonl": ("event",), "eval.jsonl": ("phase",)}
+def an_iteration(value, first: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= first
+
+
+def a_record(log: str, record) -> bool:
+    """Whether a line of a run folder's log holds what a resume, the summary and the plots read of it, with
+    values of the kinds a run writes: a phase of PHASES, an iteration that is an integer (-1: an evaluation
+    before training), an evaluation's panel, skills and success, an event's name and the fields its kind needs
+    (a retirement's iterations, a memory estimate's phase). Anything else is damage, never a traceback."""
+    if not isinstance(record, dict):
+        return False
+    if log == "metrics.jsonl":
+        return record.get("phase") in PHASES and an_iteration(record.get("iteration"))
+    if log == "eval.jsonl":
+        overall = record.get("overall")
+        return (record.get("phase") in PHASES and an_iteration(record.get("iteration"), -1)
+                and record.get("panel") in ("validation", "report") and isinstance(record.get("skills"), bool)
+                and isinstance(overall, (int, float)) and not isinstance(overall, bool) and 0 <= overall <= 1)
+    if log == "events.jsonl":
+        event = record.get("event")
+        if event == "retirement":
+            return an_iteration(record.get("retired_at")) and an_iteration(record.get("decided_after_iteration"))
+        if event == "memory_estimate":
+            return record.get("phase") in ("phase 1", "phase 2")
+        return isinstance(event, str)
+    return True
 
 
 def not_a_number(constant: str):
@@ -107,8 +132,9 @@ def not_a_number(constant: str):
 def read_jsonl(path: Path, note: bool = False) -> list:
     """The records of a jsonl log ([] without the file). A last line cut short (a crash or a full
     disk while it was written) is dropped, with a note when `note`; a damaged line before the
-    last is an error. A line that is JSON but not one of the log's records (not an object, without the
-    keys RECORD_KEYS names, or holding NaN, which a run never writes) is skipped, with a note when `note`:
+    last is an error. A line that is JSON but not one of the log's records (a_record: not an object, without
+    what a resume reads of it or with values of other kinds, or holding NaN, which a run never writes) is
+    skipped, with a note when `note`:
     a resume rewrites the log without it, and a lost iteration is reported as a hole (log_holes)."""
     path = Path(path)
     lines = read_owned_text(path).splitlines() if os.path.lexists(path) else []
@@ -126,7 +152,7 @@ def read_jsonl(path: Path, note: bool = False) -> list:
             continue
         except (ValueError, RecursionError):  # NaN or Infinity; nested deeper than a record ever is
             record = None
-        if isinstance(record, dict) and all(key in record for key in RECORD_KEYS.get(path.name, ())):
+        if a_record(path.name, record):
             records.append(record)
         else:
             skipped.append(number)

@@ -184,10 +184,11 @@ def test_run_summary_reads_S_T_the_retirement_and_the_report_panel(tmp_path):
     def write(name, records):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     write("events.jsonl", [{"event": "start"}, {"event": "teacher_ready", "teacher_success": 0.5},
-                           {"event": "retirement", "rule": "adaptive", "retired_at": 11}, {"event": "done"}])
-    write("eval.jsonl", [{"phase": "teacher", "panel": "validation", "skills": True, "overall": 0.1},
-                         {"phase": "teacher", "panel": "report", "skills": True, "overall": 0.625},
-                         {"phase": "student", "panel": "report", "skills": False, "overall": 0.75}])
+                           {"event": "retirement", "rule": "adaptive", "retired_at": 11, "decided_after_iteration": 10},
+                           {"event": "done"}])
+    write("eval.jsonl", [{"phase": "teacher", "iteration": 0, "panel": "validation", "skills": True, "overall": 0.1},
+                         {"phase": "teacher", "iteration": 2, "panel": "report", "skills": True, "overall": 0.625},
+                         {"phase": "student", "iteration": 2, "panel": "report", "skills": False, "overall": 0.75}])
     for phase, stored in (("teacher", 0.5), ("student", 0.6)):  # phase 2 ran with --teacher-success 0.6
         (tmp_path / phase).mkdir()
         (tmp_path / phase / "retireopd.json").write_text(json.dumps({"teacher_success": stored}))

@@ -235,6 +235,35 @@ def test_read_jsonl_skips_lines_that_are_json_but_not_records_of_the_log(tmp_pat
     assert R.read_jsonl(tmp_path / "eval.jsonl") == []
 
 
+DAMAGED_VALUES = {  # lines that parse, with keys a record has, holding values no run writes (round 6: tracebacks)
+    "metrics.jsonl": ['{"phase": "warmup", "iteration": 1}', '{"phase": "student", "iteration": "1"}',
+                      '{"phase": "student", "iteration": true}', '{"phase": "student", "iteration": -3}'],
+    "events.jsonl": ['{"event": "retirement", "rule": "adaptive"}', '{"event": "memory_estimate", "phase": "phase 3"}',
+                     '{"event": 7}', '{"event": "retirement", "retired_at": "soon", "decided_after_iteration": 1}'],
+    "eval.jsonl": ['{"phase": "student", "iteration": 0, "panel": "report", "skills": "no", "overall": 0.5}',
+                   '{"phase": "student", "iteration": 0, "panel": "validation", "skills": false, "overall": "half"}',
+                   '{"phase": "student", "iteration": 0.5, "panel": "validation", "skills": false, "overall": 0.5}',
+                   '{"phase": "student", "iteration": 0, "panel": "final", "skills": false, "overall": 0.5}'],
+}
+
+
+def test_a_log_line_with_values_no_run_writes_is_skipped_with_a_note_and_the_resume_goes_on(stopped_runs, tmp_path,
+                                                                                             capsys):
+    # a record is judged by its values, not only its keys: each damaged line is skipped (a hole, where it was an
+    # iteration's), the resume rewrites the log without it, and nothing ends in a traceback
+    run_dir = stopped_copy(stopped_runs, tmp_path, "retireopd")
+    for name, lines in DAMAGED_VALUES.items():
+        with open(run_dir / name, "a", encoding="utf-8") as log:
+            log.write("".join(line + "\n" for line in lines))
+        assert len(R.read_jsonl(run_dir / name)) == len((run_dir / name).read_text().splitlines()) - len(lines)
+    R.main(["--resume", str(run_dir)])
+    out = capsys.readouterr().out
+    for name in DAMAGED_VALUES:
+        assert f"{run_dir / name} line(s)" in out and "are not records of this log (damaged): skipped" in out, name
+        assert not any(line in (run_dir / name).read_text() for line in DAMAGED_VALUES[name])  # rewritten without
+    assert R.read_jsonl(run_dir / "events.jsonl")[-1]["event"] == "done"
+
+
 def test_saved_model_problem_finds_a_half_written_safetensors_file(tiny, tmp_path):
     model, tok = tiny
     folder = R.Run(small_cfg(run_dir=str(tmp_path))).save_model(model, tok, "student")
@@ -395,9 +424,10 @@ def test_truncate_logs_drops_every_log_line_after_the_checkpoint(tmp_path):
     for phase in ("teacher", "student"):
         for k in range(3):
             run.log("metrics.jsonl", {"phase": phase, "iteration": k})
-            run.log("eval.jsonl", {"phase": phase, "iteration": k})
+            run.log("eval.jsonl", {"phase": phase, "iteration": k, "panel": "validation", "skills": False,
+                                   "overall": 0.5})
     for k in (0, 2):
-        run.log("events.jsonl", {"event": "retirement", "decided_after_iteration": k})
+        run.log("events.jsonl", {"event": "retirement", "retired_at": k + 1, "decided_after_iteration": k})
     repairs.truncate_logs(tmp_path, "student", 1, finished=(), last_iterations={"teacher": 2, "student": 2})
     kept = [("teacher", 0), ("teacher", 1), ("teacher", 2), ("student", 0), ("student", 1)]
     for name in ("metrics.jsonl", "eval.jsonl"):
