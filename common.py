@@ -182,15 +182,43 @@ def no_link_between(root: Path, path: Path) -> None:
             raise OSError(errno.ELOOP, "a link, or not a folder, inside the run folder", str(folder))
 
 
+def mount_points() -> list:
+    """Every mount point this process sees, from Linux's /proc/self/mountinfo (its 5th field, with the octal
+    escapes of spaces and tabs undone); [] where there is none (elsewhere a mount is told by its st_dev)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
+            return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in mounts]
+    except (OSError, IndexError):
+        return []
+
+
+def mount_inside(folder: Path) -> Optional[str]:
+    """A mount point at or below `folder` (another disk, or a bind mount of another folder: whose files are
+    not the run's), or None: from the mount table, and by each subfolder's st_dev (os.walk enters no link)."""
+    real = os.path.realpath(folder)
+    if point := next((p for p in mount_points() if p == real or p.startswith(real.rstrip(os.sep) + os.sep)), None):
+        return point
+    device = os.lstat(folder).st_dev
+    for parent, folders, _ in os.walk(folder):
+        for name in folders:
+            if os.lstat(os.path.join(parent, name)).st_dev != device:
+                return os.path.join(parent, name)
+    return None
+
+
 def remove_entry(path: Path, root: Optional[Path] = None) -> None:
     """Delete a run folder's entry: a link or a file is unlinked (a link's target is never touched), a
-    real folder removed with its contents (shutil.rmtree unlinks the links inside, never follows them).
-    root: the run folder, when path lies deeper than its top (no_link_between is checked first)."""
+    real folder removed with its contents (shutil.rmtree unlinks the links inside, never follows them),
+    unless a mount point lies inside it: then nothing is deleted (OSError EBUSY), since what is mounted
+    there is not the run's. root: the run folder, when path lies deeper than its top (no_link_between is
+    checked first)."""
     path = Path(path)
     no_link_between(root or path.parent, path)
     if not os.path.lexists(path):
         return
     if stat.S_ISDIR(os.lstat(path).st_mode):
+        if mount := mount_inside(path):
+            raise OSError(errno.EBUSY, f"{mount} is mounted inside it (not the run's): not deleted", str(path))
         shutil.rmtree(path)
     else:
         path.unlink()

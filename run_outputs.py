@@ -129,7 +129,11 @@ class Run:
                         {**state, "run_id": self.run_id, "tokenizer": model_sources.tokenizer_fingerprint(tokenizer)},
                         None)
         for old in checkpoint_folders(self.dir)[: -self.cfg.keep_checkpoints] if multigpu.main_process() else ():
-            remove_entry(old, self.dir)
+            try:
+                remove_entry(old, self.dir)
+            except OSError as error:  # a mount point inside it: left as it is (it is not the run's to delete)
+                tqdm.write(f"[retireopd] note: the old checkpoint {old.name} is kept ({error.strerror}); remove "
+                           "it by hand once you have seen what is there")
 
     def measured_iterations(self, phase: str, start: int, iterations: int, device: torch.device):
         """A phase's iterations from `start`, under a progress bar (under torchrun rank 0's alone); each starts

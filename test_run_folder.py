@@ -26,6 +26,7 @@ import repairs
 import retireopd as R
 import run_folder
 import webshop_env
+from common import checkpoint_folders
 from conftest import (
     small_cfg, QUICK, run_cli, phases, comparable, crash_instead_of_saving, one_line_refusal,
     save_teacher,
@@ -298,6 +299,29 @@ def private_tmpfs_command(tmp_path, options, command):
     if shutil.which("unshare") is None or subprocess.run([*wrapper, "true"], capture_output=True).returncode != 0:
         return None
     return [*wrapper, *command]
+
+
+@pytest.mark.slow
+def test_the_rotation_never_deletes_what_is_mounted_inside_an_old_checkpoint(tmp_path, monkeypatch):
+    # another user's folder bind-mounted at the oldest checkpoint's name (round 6: the rotation deleted its files):
+    # the resumed run's rotation keeps that checkpoint, with a note, and the folder's files are untouched
+    run_dir = tmp_path / "run"
+    crash_instead_of_saving(monkeypatch, run_dir, ["--env", "webshop", "--algo", "grpo"],
+                            lambda name: name.endswith("-00002"))
+    run_folder.release_run_folders()  # (the crash above left this process holding the folder)
+    oldest = checkpoint_folders(run_dir)[0]
+    victim, contents = victim_of(tmp_path)
+    before = contents()
+    command = ["unshare", "-rm", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"', str(victim), str(oldest),
+               sys.executable, "retireopd.py", "--resume", str(run_dir)]
+    if shutil.which("unshare") is None or subprocess.run([*command[:4], "true"], capture_output=True).returncode:
+        pytest.skip("no private mount namespace here (unshare -rm)")
+    done = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"the old checkpoint {oldest.name} is kept" in done.stdout + done.stderr
+    assert contents() == before
+    assert (run_dir / "student" / "config.json").is_file()
 
 
 @pytest.mark.slow
