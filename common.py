@@ -234,6 +234,34 @@ def rename_entry(source: Path, target: Path, root: Path) -> None:
     Path(source).rename(target)
 
 
+def make_fresh(folder: Path, root: Path) -> None:
+    """folder made anew by this process, holding the regular files it held: a tracker (TensorBoard) writes
+    there under names anyone can predict, and a link planted at one would be followed. The new folder
+    (mode 0o755) lets no one else add a name to it; a link, a FIFO or a folder among the old one's entries
+    is refused (OSError, naming it) before anything moves, and checked again once moved."""
+    fresh = folder.with_name(folder.name + ".fresh")
+    remove_entry(fresh, root)  # (one a crash left)
+    os.mkdir(fresh, 0o755)
+    moved = []
+    if os.path.lexists(folder):
+        for name in sorted(os.listdir(folder)):
+            refuse_unless_regular(folder / name)
+        for name in sorted(os.listdir(folder)):
+            os.rename(folder / name, fresh / name)  # (a rename follows no link: a swapped-in one arrives as a link)
+            moved.append(name)
+        remove_entry(folder, root)
+    for name in moved:
+        refuse_unless_regular(fresh / name)
+    os.rename(fresh, folder)
+
+
+def refuse_unless_regular(path: Path) -> None:
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.ELOOP if stat.S_ISLNK(mode) else errno.EINVAL,
+                      "a link" if stat.S_ISLNK(mode) else "not a regular file", str(path))
+
+
 def create_file(path: Path) -> int:
     """A new, empty file at path for writing (its descriptor): whatever was there is removed first, and the
     file is created with O_EXCL (open_entry), so a link planted there meanwhile fails instead of being

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from common import PHASES, read_jsonl, read_owned_text, write_bytes_atomically
+from common import PHASES, make_fresh, read_jsonl, read_owned_text, write_bytes_atomically
 
 # ==================================================================================================
 # The live dashboard (--report-to tensorboard | wandb)
@@ -84,6 +84,12 @@ class Tracker:
         self.cfg, self.steps_before = cfg, steps_before
         if cfg.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
+            try:  # (its event files have predictable names: written in a folder no one else can add to)
+                make_fresh(run_dir / "tensorboard", run_dir)
+            except OSError as error:
+                raise SystemExit(f"retireopd: {error.filename} is {error.strerror}, inside the run's tensorboard/: a "
+                                 "run folder's own entries must be plain files (a link could make the run write "
+                                 "outside it); remove it, then try again") from None
             self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
         else:
             import wandb

@@ -48,7 +48,7 @@ WRITE_TEST = ".retireopd-write-test"
 IN_PLACE = ("metrics.jsonl", "events.jsonl", "eval.jsonl", ".retireopd.lock")  # written without a new file
 FILES = (RUN_IDENTITY, "config.json", "plot.png", "compare.png", "benchmark.json",  # replaced whole (a temp,
          WRITE_TEST)  # a rename); benchmark.json: bench.py's report
-OWN_FOLDERS = ("checkpoints", "teacher", "student", "tiny_base", "alfworld_fixtures")  # written by this script
+OWN_FOLDERS = ("checkpoints", "teacher", "student", "tiny_base", "alfworld_fixtures", "tensorboard")  # written by us
 
 
 def run_folder_problem(folder: Path) -> Optional[str]:

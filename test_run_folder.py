@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -322,6 +323,43 @@ def test_the_rotation_never_deletes_what_is_mounted_inside_an_old_checkpoint(tmp
     assert f"the old checkpoint {oldest.name} is kept" in done.stdout + done.stderr
     assert contents() == before
     assert (run_dir / "student" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_link_in_the_tensorboard_folder_is_refused_and_the_tracker_writes_in_a_folder_made_anew(tmp_path,
+                                                                                                  monkeypatch):
+    # round 6: on `--resume --report-to tensorboard` a link planted at the predictable event-file name was
+    # followed, and another user's file overwritten
+    pytest.importorskip("tensorboard", reason="tensorboard is in requirements.txt; without it this test cannot run")
+    import socket
+    import dashboards
+    run_dir = tmp_path / "run"
+    crash_instead_of_saving(monkeypatch, run_dir, ["--env", "webshop", "--report-to", "tensorboard"],
+                            lambda name: name == "checkpoints/1-student-00001")
+    victim, contents = victim_of(tmp_path)
+    before = contents()
+    planted = run_dir / "tensorboard" / f"events.out.tfevents.{int(time.time()) + 5:010d}.{socket.gethostname()}." \
+                                        f"{os.getpid()}.1"  # (the name a writer started five seconds from now takes)
+    planted.symlink_to(victim / "notes.txt")
+    one_line_refusal(["--resume", str(run_dir)], f"{planted} is a link to .*: a run folder's own entries must be plain")
+    planted.unlink()
+    real_make_fresh = dashboards.make_fresh
+
+    def plant_then_make_fresh(folder, root):  # planted after the start's check, before the tracker starts
+        planted.symlink_to(victim / "notes.txt")
+        return real_make_fresh(folder, root)
+    with monkeypatch.context() as patch:
+        patch.setattr(dashboards, "make_fresh", plant_then_make_fresh)
+        one_line_refusal(["--resume", str(run_dir)], f"{planted} is a link, inside the run's tensorboard/")
+    planted.unlink()
+    assert contents() == before
+    old_umask = os.umask(0o000)  # (a umask that would let anyone add to a folder it makes)
+    try:
+        R.main(["--resume", str(run_dir)])
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.lstat(run_dir / "tensorboard").st_mode) == 0o755  # no one else can add a name to it
+    assert len(list((run_dir / "tensorboard").iterdir())) == 2 and contents() == before
 
 
 @pytest.mark.slow
